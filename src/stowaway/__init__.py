@@ -1,0 +1,54 @@
+"""Stowaway: memory-speed checkpoints for PyTorch training.
+
+    ckpt = Checkpointer()                 # job, socket and ranks from the environment
+    restored = ckpt.load()                # (step, state) or None
+    handle = ckpt.save(step, state)       # returns once the state is in shared memory
+    handle.wait()                         # optional: until the checkpoint is committed
+
+The client is imported lazily: the sidecar and the operator live in this
+distribution too and must start without importing torch.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from stowaway.errors import (
+    CheckpointCorrupt,
+    ConfigurationError,
+    ProtocolError,
+    SaveFailed,
+    ShmCapacityError,
+    SidecarUnavailable,
+    SlotWaitTimeout,
+    StowawayError,
+    UnsupportedState,
+)
+
+if TYPE_CHECKING:
+    from stowaway.client.checkpointer import Checkpointer
+    from stowaway.client.handle import SaveHandle
+
+__all__ = [
+    "CheckpointCorrupt",
+    "Checkpointer",
+    "ConfigurationError",
+    "ProtocolError",
+    "SaveFailed",
+    "SaveHandle",
+    "ShmCapacityError",
+    "SidecarUnavailable",
+    "SlotWaitTimeout",
+    "StowawayError",
+    "UnsupportedState",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Checkpointer":
+        from stowaway.client.checkpointer import Checkpointer
+
+        return Checkpointer
+    if name == "SaveHandle":
+        from stowaway.client.handle import SaveHandle
+
+        return SaveHandle
+    raise AttributeError(f"module 'stowaway' has no attribute {name!r}")

@@ -1,0 +1,108 @@
+"""``stowaway run``: a sidecar next to a local command, the whole data path on one machine.
+
+The sidecar runs in its own session so that Ctrl-C reaches the training
+command only; once the command has exited, the sidecar is asked to stop and
+finishes the persists still in flight before the launcher exits with the
+command's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from stowaway.cli import catalog_cmds
+from stowaway.cli.errors import CommandError
+
+STARTUP_TIMEOUT = 30.0
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "run", help="run a command (e.g. torchrun ...) with a local sidecar",
+        description="Start a sidecar, run COMMAND with STOWAWAY_SOCKET and STOWAWAY_JOB set, wait for "
+        "in-flight persists, stop the sidecar, and exit with COMMAND's status.",
+    )
+    parser.add_argument("--storage", type=Path, required=True, help="durable storage directory")
+    parser.add_argument("--job", default="local", help="job name, the directory under --storage (default: local)")
+    parser.add_argument("--keep-last", type=int, default=3, metavar="K", help="committed checkpoints to keep")
+    parser.add_argument("--grace-period", type=float, default=300.0, metavar="SECONDS",
+                        help="how long in-flight persists may take once COMMAND has exited")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND...",
+                        help="the command to run, after --")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise CommandError("no command given: use `stowaway run --storage DIR -- torchrun ... train.py`")
+    workdir = Path(tempfile.mkdtemp(prefix="stw-", dir="/tmp"))
+    shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else workdir
+    shm_dir = Path(tempfile.mkdtemp(prefix="stowaway-", dir=shm_root))
+    socket_path = workdir / "sidecar.sock"
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(args.storage), "--socket", str(socket_path),
+         "--shm-dir", str(shm_dir), "--keep-last", str(args.keep_last), "--grace-period", str(args.grace_period),
+         "--log-level", "WARNING"],
+        start_new_session=True,
+    )
+    try:
+        _wait_for_socket(sidecar, socket_path)
+        env = dict(os.environ, STOWAWAY_SOCKET=str(socket_path), STOWAWAY_JOB=args.job,
+                   STOWAWAY_STORAGE=str((args.storage / args.job).absolute()),
+                   STOWAWAY_RUN_ID=uuid.uuid4().hex)
+        print(f"stowaway: sidecar ready; running {' '.join(command)}", file=sys.stderr, flush=True)
+        status = _run_command(command, env)
+    finally:
+        _stop(sidecar, args.grace_period)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    job_path = args.storage / args.job
+    print(f"stowaway: checkpoints of job {args.job!r} in {job_path.absolute()}:", file=sys.stderr)
+    catalog_cmds.print_listing(job_path, sys.stderr)
+    return status
+
+
+def _wait_for_socket(sidecar: subprocess.Popen[bytes], path: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if sidecar.poll() is not None:
+            raise CommandError(f"the sidecar exited with status {sidecar.returncode} before it was ready; "
+                               "see its message above")
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(str(path))
+            return
+        time.sleep(0.02)
+    raise CommandError(f"the sidecar did not open {path} within {STARTUP_TIMEOUT:.0f} s")
+
+
+def _run_command(command: list[str], env: dict[str, str]) -> int:
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        raise CommandError(f"cannot start {command[0]!r}: {exc.strerror}") from None
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        return child.wait()
+
+
+def _stop(sidecar: subprocess.Popen[bytes], grace: float) -> None:
+    if sidecar.poll() is None:
+        sidecar.send_signal(signal.SIGTERM)
+    try:
+        sidecar.wait(timeout=grace + 10)
+    except subprocess.TimeoutExpired:
+        sidecar.kill()
+        sidecar.wait()

@@ -1,0 +1,60 @@
+"""``stowaway sidecar``: the daemon that runs next to the training container."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from stowaway.cli.errors import CommandError
+from stowaway.sidecar.config import SidecarConfig
+from stowaway.sidecar.server import Sidecar, SidecarError
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "sidecar", help="run the saver sidecar daemon",
+        description="Serve ranks on a Unix socket, persist their slots to storage and commit checkpoints.",
+    )
+    parser.add_argument("--storage", type=Path, required=True, help="durable storage directory (a PVC mount)")
+    parser.add_argument("--socket", type=Path, required=True, help="Unix socket path (shorter than 108 bytes)")
+    parser.add_argument("--shm-dir", type=Path, required=True, help="shared-memory directory holding slot files")
+    parser.add_argument("--node-name", default=None, help="name of this node in receipts (default: $NODE_NAME "
+                        "or the host name)")
+    parser.add_argument("--keep-last", type=int, default=3, metavar="K", help="committed checkpoints to keep")
+    parser.add_argument("--keep-every", type=int, default=0, metavar="M",
+                        help="also keep every checkpoint whose step is a multiple of M (0: off)")
+    parser.add_argument("--commit-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="how long a step may wait for every rank's file before it fails")
+    parser.add_argument("--persist-workers", type=int, default=4, help="slots persisted concurrently")
+    parser.add_argument("--write-rate-limit", type=float, default=0.0, metavar="BYTES_PER_SECOND",
+                        help="cap on write bandwidth to storage (0: unlimited)")
+    parser.add_argument("--grace-period", type=float, default=120.0, metavar="SECONDS",
+                        help="on SIGTERM, how long in-flight persists may take to finish")
+    parser.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
+                        help="also accept ranks running as this uid (the sidecar's uid and root always are)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="port of /metrics (0: off)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    extra = {} if args.node_name is None else {"node": args.node_name}
+    try:
+        config = SidecarConfig(
+            storage=args.storage.absolute(), socket_path=args.socket.absolute(), shm_dir=args.shm_dir.absolute(),
+            keep_last=args.keep_last, keep_every=args.keep_every, commit_timeout=args.commit_timeout,
+            persist_workers=args.persist_workers, write_rate_limit=args.write_rate_limit,
+            grace_period=args.grace_period, metrics_port=args.metrics_port,
+            allowed_uids=frozenset({os.getuid(), 0, *args.allow_uid}), **extra,
+        )
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    try:
+        asyncio.run(Sidecar(config).serve())
+    except SidecarError as exc:
+        raise CommandError(str(exc)) from None
+    return 0

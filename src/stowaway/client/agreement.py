@@ -1,0 +1,45 @@
+"""Making every rank of a job restore the same step.
+
+When a process group is initialised, ranks exchange what they can restore and
+whether their restore worked; without one, a rank decides alone (correct for
+one rank, and for ranks that only ever restore committed steps from one
+shared storage).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+
+def active(world_size: int) -> bool:
+    return world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size
+
+
+def _gather(value: Any, world_size: int) -> list[Any]:
+    if not active(world_size):
+        return [value]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def common_steps(steps: list[int], world_size: int) -> list[int]:
+    """Steps every rank can restore, newest first."""
+    sets = [set(found) for found in _gather(steps, world_size)]
+    return sorted(set.intersection(*sets), reverse=True)
+
+
+def failed_ranks(error: str | None, rank: int, world_size: int) -> list[tuple[int, str]]:
+    """Every rank's restore error, empty when all ranks succeeded."""
+    return [(r, e) for r, e in _gather((rank, error), world_size) if e is not None]
+
+
+def shared_run_id(proposal: str, world_size: int) -> str:
+    """Rank 0's run id, so all ranks of this incarnation tag their files alike."""
+    if not active(world_size):
+        return proposal
+    box = [proposal]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])

@@ -1,0 +1,363 @@
+"""``Checkpointer``: save to shared memory at memcpy speed, restore from memory or storage."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stowaway.client import agreement, env
+from stowaway.client.connection import Connection, Message
+from stowaway.client.handle import SaveHandle
+from stowaway.client.pool import ClientSlot, Owner, SlotPool
+from stowaway.errors import (
+    ConfigurationError,
+    ProtocolError,
+    SaveFailed,
+    SidecarUnavailable,
+    SlotWaitTimeout,
+    StowawayError,
+)
+from stowaway.format import codec
+from stowaway.format.safetensors_header import HeaderError
+from stowaway.protocol import messages
+from stowaway.slots import header
+
+log = logging.getLogger("stowaway")
+DEFAULT_TIMEOUT = 600.0
+
+
+class Checkpointer:
+    """A rank's handle on its sidecar.
+
+    Every argument defaults from the environment: ``STOWAWAY_JOB``,
+    ``STOWAWAY_SOCKET`` and torchrun's ``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``. ``timeout`` bounds every wait:
+    for the sidecar, for a free slot, for an answer.
+    """
+
+    def __init__(
+        self,
+        job: str | None = None,
+        socket: str | os.PathLike[str] | None = None,
+        rank: int | None = None,
+        local_rank: int | None = None,
+        world_size: int | None = None,
+        slots: int = 2,
+        timeout: float = DEFAULT_TIMEOUT,
+        *,
+        local_world_size: int | None = None,
+        allow_pickle: bool = False,
+        run_id: str | None = None,
+    ) -> None:
+        self.job = env.text(job, "STOWAWAY_JOB", "the job name")
+        self.socket_path = Path(env.text(None if socket is None else os.fspath(socket), "STOWAWAY_SOCKET",
+                                         "the sidecar's socket path"))
+        self.rank = env.integer(rank, "RANK", 0)
+        self.local_rank = env.integer(local_rank, "LOCAL_RANK", self.rank)
+        self.world_size = env.integer(world_size, "WORLD_SIZE", 1)
+        self.local_world_size = env.integer(local_world_size, "LOCAL_WORLD_SIZE", self.world_size)
+        if not 1 <= slots <= messages.MAX_SLOTS_PER_RANK:
+            raise ConfigurationError(f"slots must be between 1 and {messages.MAX_SLOTS_PER_RANK}, got {slots}")
+        if timeout <= 0:
+            raise ConfigurationError(f"timeout must be positive, got {timeout}")
+        self.timeout = timeout
+        self.allow_pickle = allow_pickle
+        self._run_id = run_id or os.environ.get("STOWAWAY_RUN_ID") or None
+        self._slot_count = slots
+        self._cond = threading.Condition()
+        self._pool: SlotPool | None = None
+        self._connected = False
+        self._handles: dict[int, SaveHandle] = {}
+        self._responses: dict[tuple[str, int], Message] = {}
+        self._violation: str | None = None
+        self._closed = False
+        self.blocking_seconds: list[float] = []
+        self.slot_wait_seconds: list[float] = []
+        hello = {
+            "type": "hello", "protocol": messages.PROTOCOL_VERSION, "job": self.job, "rank": self.rank,
+            "local_rank": self.local_rank, "world_size": self.world_size,
+            "local_world_size": self.local_world_size, "node": _node_name(), "pid": os.getpid(),
+        }
+        messages.validate_hello(hello)
+        self._connection = Connection(self.socket_path, hello, self._connected_cb, self._message_cb, self._lost_cb)
+        self._connection.start()
+        self._wait_until(lambda: self._connected, "a connection to the sidecar", SidecarUnavailable)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def save(self, step: int, state: Any) -> SaveHandle:
+        """Copy ``state`` into a slot and hand it to the sidecar; return once it is in shared memory."""
+        started = time.perf_counter()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        encoded = codec.encode(state, self.allow_pickle)
+        run = self._current_run_id()
+        with self._cond:
+            if step in self._handles:
+                raise ValueError(f"rank {self.rank}: step {step} is already being saved; steps must differ")
+        waiting = time.perf_counter()
+        slot = self._take_slot(step)
+        slot_wait = time.perf_counter() - waiting
+        pool = self._require_pool()
+        pool.ensure_capacity(slot, encoded.nbytes)
+        self._register(slot)
+        assert slot.file is not None
+        generation = slot.next_generation()
+        header.begin_write(slot.file.header_view, generation)
+        codec.write_into(encoded, slot.payload())
+        header.finish_write(slot.file.header_view, step, generation, encoded.nbytes)
+        blocking = time.perf_counter() - started
+        handle = SaveHandle(step, self.rank, blocking, slot_wait)
+        request = {
+            "type": "persist", "run": run, "step": step, "slot": slot.index, "generation": generation,
+            "nbytes": encoded.nbytes, "blocking_seconds": blocking, "slot_wait_seconds": slot_wait,
+        }
+        with self._cond:
+            self.blocking_seconds.append(blocking)
+            self.slot_wait_seconds.append(slot_wait)
+            if self._connected and slot.registered and self._connection.send(request):
+                slot.owner, slot.in_flight_step, slot.in_flight_generation = Owner.SIDECAR, step, generation
+                self._handles[step] = handle
+            else:
+                handle._resolve(f"the connection to the sidecar was lost before the persist was sent "
+                                f"({self._connection.last_error})")
+        return handle
+
+    def load(self, step: int | None = None, map_location: Any = "cpu") -> tuple[int, Any] | None:
+        """Restore the newest step every rank can restore (or ``step``); None when there is none.
+
+        From shared memory when this rank's slot still holds the step intact,
+        else from storage through the sidecar. A corrupt checkpoint makes all
+        ranks fall back to the next older committed one, with a warning.
+        """
+        self._wait_until(lambda: self._connected, "a connection to the sidecar", SidecarUnavailable)
+        pool = self._require_pool()
+        for slot in pool.slots:
+            if slot.file is not None and slot.owner is Owner.RANK:
+                self._register(slot)
+        self._run_id = agreement.shared_run_id(self._current_run_id(), self.world_size)
+        inventory = self._request(("inventory", 0), {"type": "query"})
+        sizes = {item["step"]: item["nbytes"] for item in inventory["committed"]}
+        in_memory = {item["step"]: item["slot"] for item in inventory["memory"]}
+        wanted = [found for found in sizes if step is None or found == step]
+        problems = []
+        for candidate in agreement.common_steps(wanted, self.world_size):
+            error, state, source = None, None, "memory"
+            try:
+                if candidate in in_memory:
+                    state = self._read_slot(pool.slots[in_memory[candidate]], candidate, map_location)
+                else:
+                    source = "storage"
+                    state = self._restore_from_storage(candidate, sizes[candidate], map_location)
+            except (StowawayError, HeaderError) as exc:
+                error = str(exc)
+            failures = agreement.failed_ranks(error, self.rank, self.world_size)
+            if not failures:
+                log.info("rank %d restored step %d from %s", self.rank, candidate, source)
+                return candidate, state
+            for rank, reason in failures:
+                problems.append(f"step {candidate} rank {rank}: {reason}")
+                log.warning("step %d cannot be restored on rank %d (%s); trying the next older committed "
+                            "checkpoint", candidate, rank, reason)
+        if step is not None:
+            detail = "; ".join(problems) or "it is not committed in storage"
+            raise SaveFailed(f"rank {self.rank}: step {step} of job {self.job} cannot be restored: {detail}")
+        return None
+
+    def close(self) -> None:
+        """Wait (bounded by the timeout) for saves in flight to be answered, then disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._cond:
+            self._cond.wait_for(lambda: not self._handles or not self._connected, self.timeout)
+        self._connection.close()
+        with self._cond:
+            if self._pool is not None:
+                self._pool.close()
+
+    def _current_run_id(self) -> str:
+        if self._run_id is None:
+            elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+            if elastic and elastic != "none":
+                self._run_id = f"{elastic}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            elif self.world_size == 1:
+                self._run_id = uuid.uuid4().hex
+            else:
+                self._run_id = "default"
+        return self._run_id
+
+    def _require_pool(self) -> SlotPool:
+        with self._cond:
+            assert self._pool is not None
+            return self._pool
+
+    def _take_slot(self, step: int) -> ClientSlot:
+        def free() -> ClientSlot | None:
+            if not self._connected or self._pool is None:
+                return None
+            owned = [slot for slot in self._pool.slots if slot.owner is Owner.RANK]
+            return max(owned, key=lambda slot: slot.capacity) if owned else None
+
+        def describe() -> str:
+            assert self._pool is not None
+            flights = [s.in_flight_step for s in self._pool.slots if s.owner is not Owner.RANK]
+            return (f"a free slot for step {step} (all {len(self._pool.slots)} slots in flight, steps "
+                    f"{flights}): the sidecar persists slower than this rank saves; save less often, "
+                    "add slots, or check storage throughput")
+
+        self._wait_until(lambda: free() is not None, describe, SlotWaitTimeout)
+        with self._cond:
+            slot = free()
+            assert slot is not None
+            return slot
+
+    def _register(self, slot: ClientSlot) -> None:
+        if slot.registered:
+            return
+        self._request(("registered", slot.index), {"type": "register", "slot": slot.index,
+                                                  "capacity": slot.capacity})
+        with self._cond:
+            slot.registered = True
+
+    def _request(self, answer: tuple[str, int], message: Message) -> Message:
+        with self._cond:
+            self._responses.pop(answer, None)
+            if not self._connection.send(message):
+                raise SidecarUnavailable(f"rank {self.rank}: cannot send {message['type']} to the sidecar: "
+                                         f"{self._connection.last_error}")
+        self._wait_until(lambda: answer in self._responses or not self._connected,
+                         f"the sidecar's answer to {message['type']}", SidecarUnavailable)
+        with self._cond:
+            if answer not in self._responses:
+                raise SidecarUnavailable(f"rank {self.rank}: the sidecar went away before answering "
+                                         f"{message['type']}: {self._connection.last_error}")
+            return self._responses.pop(answer)
+
+    def _restore_from_storage(self, step: int, nbytes: int, map_location: Any) -> Any:
+        slot = self._take_slot(step)
+        self._require_pool().ensure_capacity(slot, nbytes)
+        self._register(slot)
+        with self._cond:
+            slot.owner, slot.in_flight_step, slot.in_flight_generation = Owner.SIDECAR, step, None
+        answer = self._request(("stage", slot.index), {"type": "stage", "step": step, "slot": slot.index})
+        if answer["type"] == "failed":
+            raise SaveFailed(answer["reason"])
+        slot.generation = max(slot.generation, answer["generation"])
+        return self._read_slot(slot, step, map_location)
+
+    def _read_slot(self, slot: ClientSlot, step: int, map_location: Any) -> Any:
+        assert slot.file is not None
+        slot.file.refresh()
+        slot.drop_view()
+        before = slot.file.read_header()
+        if not before.complete or before.step != step:
+            raise SaveFailed(f"slot {slot.index} no longer holds step {step}")
+        state = codec.read_from(slot.payload(), before.payload_nbytes, map_location, self.allow_pickle)
+        if slot.file.read_header().generation != before.generation:
+            raise SaveFailed(f"slot {slot.index} changed while step {step} was read from it")
+        return state
+
+    def _wait_until(self, ready: Callable[[], bool], what: str | Callable[[], str],
+                    error: type[StowawayError]) -> None:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: ready() or self._violation is not None, self.timeout)
+            if self._violation is not None:
+                raise ProtocolError(self._violation)
+            if not ok:
+                described = what() if callable(what) else what
+                raise error(f"rank {self.rank} of job {self.job}: no {described} within {self.timeout:.0f} s "
+                            f"(socket {self.socket_path}; last connection problem: {self._connection.last_error})")
+
+    def _connected_cb(self, welcome: Message) -> None:
+        with self._cond:
+            if self._pool is None:
+                self._pool = SlotPool(Path(welcome["shm_dir"]), self.job, self.rank, self._slot_count,
+                                      self.local_world_size)
+                self._pool.adopt_existing()
+            busy = set(welcome["busy"])
+            for slot in self._pool.slots:
+                slot.registered = False
+                if slot.index in busy:
+                    slot.owner, slot.in_flight_generation = Owner.SIDECAR, None
+                elif slot.owner is not Owner.RANK:
+                    slot.owner, slot.in_flight_step, slot.in_flight_generation = Owner.RANK, None, None
+            self._connected = True
+            self._cond.notify_all()
+
+    def _lost_cb(self, reason: str) -> None:
+        with self._cond:
+            self._connected = False
+            if self._pool is not None:
+                for slot in self._pool.slots:
+                    if slot.owner is Owner.SIDECAR:
+                        slot.owner = Owner.UNKNOWN
+            for handle in self._handles.values():
+                handle._resolve(f"the connection to the sidecar was lost before the commit ({reason}); "
+                                "load() tells which step is committed")
+            self._handles.clear()
+            self._cond.notify_all()
+
+    def _message_cb(self, message: Message) -> None:
+        with self._cond:
+            try:
+                self._dispatch(message)
+            except (KeyError, IndexError, ProtocolError) as exc:
+                self._violation = f"rank {self.rank}: the sidecar broke the protocol: {exc}"
+                log.error(self._violation)
+            self._cond.notify_all()
+
+    def _dispatch(self, message: Message) -> None:
+        kind = message["type"]
+        if kind in ("registered",):
+            self._responses[(kind, message["slot"])] = message
+        elif kind == "inventory":
+            self._responses[("inventory", 0)] = message
+        elif kind == "released":
+            self._return_slot(message["slot"], message["step"], message["generation"])
+        elif kind == "staged":
+            self._return_slot(message["slot"], message["step"], None)
+            self._responses[("stage", message["slot"])] = message
+        elif kind == "failed":
+            self._failed(message)
+        elif kind == "committed":
+            handle = self._handles.pop(message["step"], None)
+            if handle is not None:
+                handle._resolve(None)
+
+    def _failed(self, message: Message) -> None:
+        step, index = message["step"], message["slot"]
+        if index is not None:
+            staging = self._require_pool().slots[index].in_flight_generation is None
+            self._return_slot(index, step, None)
+            if staging:
+                self._responses[("stage", index)] = message
+                return
+        handle = self._handles.pop(step, None)
+        if handle is not None:
+            handle._resolve(message["reason"])
+
+    def _return_slot(self, index: int, step: int, generation: int | None) -> None:
+        assert self._pool is not None
+        slot = self._pool.slots[index]
+        if slot.owner is Owner.RANK or (generation is not None and slot.in_flight_generation
+                                          not in (None, generation)):
+            raise ProtocolError(f"answer for slot {index} step {step}, which the sidecar does not hold "
+                                f"(owner {slot.owner.value}, in flight {slot.in_flight_step}): a duplicate answer")
+        slot.owner, slot.in_flight_step, slot.in_flight_generation = Owner.RANK, None, None
+
+
+def _node_name() -> str:
+    name = os.environ.get("NODE_NAME") or socket.gethostname()
+    return name if messages.NODE_NAME.match(name) else "node"

@@ -1,0 +1,122 @@
+"""This rank's own socket to its sidecar.
+
+One reader thread per rank reads every answer addressed to this rank and
+hands it to the checkpointer; nothing else reads this socket, and no other
+rank's answers travel on it. When the sidecar goes away the thread reports
+the loss and reconnects with backoff, so a restarted sidecar is picked up
+without the training loop noticing more than the failed saves in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stowaway.protocol import frames, messages
+
+log = logging.getLogger("stowaway")
+
+Message = dict[str, Any]
+RECV_BYTES = 64 * 1024
+_FIRST_BACKOFF = 0.02
+_MAX_BACKOFF = 1.0
+
+
+class Connection:
+    def __init__(
+        self,
+        path: Path,
+        hello: Message,
+        on_connected: Callable[[Message], None],
+        on_message: Callable[[Message], None],
+        on_lost: Callable[[str], None],
+    ) -> None:
+        self._path = path
+        self._hello = hello
+        self._on_connected = on_connected
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._sock: socket.socket | None = None
+        self._send_lock = threading.Lock()
+        self._closed = threading.Event()
+        self.last_error = "not connected yet"
+        self._thread = threading.Thread(target=self._run, name=f"stowaway-rank{hello['rank']}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, message: Message) -> bool:
+        """Send on the current socket; False when there is none (the caller waits for a reconnect)."""
+        data = frames.encode(message)
+        with self._send_lock:
+            if self._sock is None:
+                return False
+            try:
+                self._sock.sendall(data)
+            except OSError as exc:
+                self.last_error = f"send failed: {exc}"
+                return False
+        return True
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._send_lock:
+            if self._sock is not None:
+                self._sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        backoff = _FIRST_BACKOFF
+        while not self._closed.is_set():
+            sock = self._connect()
+            if sock is None:
+                self._closed.wait(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF)
+                continue
+            backoff = _FIRST_BACKOFF
+            reason = self._serve(sock)
+            with self._send_lock:
+                self._sock = None
+            sock.close()
+            self.last_error = reason
+            if not self._closed.is_set():
+                self._on_lost(reason)
+
+    def _connect(self) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(self._path))
+            sock.sendall(frames.encode(self._hello))
+        except OSError as exc:
+            sock.close()
+            self.last_error = f"cannot connect to the sidecar at {self._path}: {exc.strerror or exc}"
+            return None
+        return sock
+
+    def _serve(self, sock: socket.socket) -> str:
+        decoder = frames.FrameDecoder()
+        welcomed = False
+        try:
+            while data := sock.recv(RECV_BYTES):
+                for message in decoder.feed(data):
+                    messages.validate(message, messages.SIDECAR_MESSAGES)
+                    if message["type"] == "error":
+                        return f"the sidecar closed the connection: {message['reason']}"
+                    if not welcomed:
+                        if message["type"] != "welcome":
+                            return f"the sidecar sent {message['type']} before welcome"
+                        with self._send_lock:
+                            self._sock = sock
+                        welcomed = True
+                        self._on_connected(message)
+                    else:
+                        self._on_message(message)
+        except (frames.FrameError, messages.MessageError) as exc:
+            return f"the sidecar sent an invalid frame: {exc}"
+        except OSError as exc:
+            return f"connection to the sidecar failed: {exc}"
+        return "the sidecar closed the connection"

@@ -1,0 +1,108 @@
+"""The rank's side of slot ownership.
+
+Each slot is owned by the rank (it may write), by the sidecar (a persist or a
+stage is in flight), or unknown (the connection dropped and the sidecar has
+not said yet which slots it still reads). Only ``Owner.RANK`` slots are ever
+written; the checkpointer changes owners only on messages from its own
+connection.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stowaway.slots import header, naming, shm
+
+HEADROOM = 1.10
+
+
+class Owner(enum.Enum):
+    RANK = "rank"
+    SIDECAR = "sidecar"
+    UNKNOWN = "unknown"
+
+
+@dataclass
+class ClientSlot:
+    index: int
+    file: shm.SlotFile | None = None
+    owner: Owner = Owner.RANK
+    in_flight_step: int | None = None
+    in_flight_generation: int | None = None
+    generation: int = 0
+    registered: bool = False
+    _tensor: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.file.capacity if self.file is not None else 0
+
+    def payload(self) -> torch.Tensor:
+        """A uint8 tensor over the slot's payload (shares memory with the mapping)."""
+        assert self.file is not None
+        if self._tensor is None:
+            self._tensor = torch.frombuffer(self.file.payload(), dtype=torch.uint8)
+        return self._tensor
+
+    def drop_view(self) -> None:
+        self._tensor = None
+
+    def next_generation(self) -> int:
+        self.generation += 1
+        return self.generation
+
+
+class SlotPool:
+    def __init__(self, shm_dir: Path, job: str, rank: int, count: int, local_world_size: int) -> None:
+        self.shm_dir = shm_dir
+        self.job = job
+        self.rank = rank
+        self.local_world_size = local_world_size
+        self.slots = [ClientSlot(index) for index in range(count)]
+
+    def adopt_existing(self) -> None:
+        """Open slot files a previous process of this rank left, so their contents can be restored."""
+        for slot in self.slots:
+            path = naming.slot_path(self.shm_dir, self.job, self.rank, slot.index)
+            if slot.file is not None or not path.exists():
+                continue
+            try:
+                opened = shm.SlotFile.open(path, writable=True)
+                found = opened.read_header()
+            except (OSError, header.SlotHeaderError):
+                continue
+            slot.file = opened
+            slot.generation = found.generation
+            slot.registered = False
+
+    def ensure_capacity(self, slot: ClientSlot, nbytes: int) -> None:
+        """Allocate or grow ``slot`` (which the rank owns) to hold ``nbytes``."""
+        if slot.capacity >= nbytes:
+            return
+        target = int(nbytes * HEADROOM) if slot.file is not None else nbytes
+        per_slot = shm.file_size_for(max(target, *(s.capacity for s in self.slots)))
+        shm.check_capacity(
+            self.shm_dir, naming.job_slot_glob(self.job), per_slot * len(self.slots),
+            self.local_world_size, already_mine=self.allocated_bytes(),
+        )
+        slot.drop_view()
+        if slot.file is None:
+            path = naming.slot_path(self.shm_dir, self.job, self.rank, slot.index)
+            slot.file = shm.SlotFile.create(path, target)
+        else:
+            slot.file.grow(target)
+        slot.registered = False
+
+    def allocated_bytes(self) -> int:
+        return sum(shm.file_size_for(s.capacity) for s in self.slots if s.file is not None)
+
+    def close(self) -> None:
+        for slot in self.slots:
+            slot.drop_view()
+            if slot.file is not None:
+                slot.file.close()
+                slot.file = None

@@ -1,0 +1,79 @@
+"""Copy a flattened state dict into a payload buffer, and read one back.
+
+``encode`` plans the layout once; ``write_into`` is the hot path of ``save``:
+one ``copy_`` per tensor into a view of the slot, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stowaway.format import safetensors_header as st
+from stowaway.format import tree as tree_mod
+
+TREE_METADATA_KEY = "stowaway.tree"
+
+_TO_SAFETENSORS = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+_FROM_SAFETENSORS = {name: dtype for dtype, name in _TO_SAFETENSORS.items()}
+
+
+@dataclass(frozen=True)
+class Encoded:
+    layout: st.Layout
+    sources: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.total_bytes
+
+
+def encode(state: Any, allow_pickle: bool = False) -> Encoded:
+    flat = tree_mod.flatten(state, allow_pickle)
+    specs = [
+        st.TensorSpec(name, _TO_SAFETENSORS[tensor.dtype], tuple(tensor.shape))
+        for name, tensor in flat.tensors.items()
+    ]
+    metadata = {"format": "pt", TREE_METADATA_KEY: json.dumps(flat.tree, separators=(",", ":"))}
+    layout = st.plan(specs, metadata)
+    return Encoded(layout, [flat.tensors[item.spec.name] for item in layout.tensors])
+
+
+def write_into(encoded: Encoded, payload: torch.Tensor) -> None:
+    """Fill ``payload`` (a uint8 tensor over the slot) with the file image."""
+    header = encoded.layout.header
+    payload[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    base = encoded.layout.data_start
+    for item, source in zip(encoded.layout.tensors, encoded.sources, strict=True):
+        if item.begin == item.end:
+            continue
+        target = _view(payload, base + item.begin, item)
+        target.copy_(source)
+
+
+def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickle: bool = False) -> Any:
+    """Rebuild the state dict from a payload, copying every tensor out of the buffer."""
+    raw = memoryview(payload.numpy())
+    layout = st.parse(raw, nbytes)
+    try:
+        tree = json.loads(layout.metadata[TREE_METADATA_KEY])
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise st.HeaderError(f"payload carries no Stowaway state tree: {exc}") from exc
+    tensors = {}
+    for item in layout.tensors:
+        view = _view(payload, layout.data_start + item.begin, item)
+        tensors[item.spec.name] = view.to(map_location, copy=True)
+    return tree_mod.unflatten(tree, tensors, allow_pickle)
+
+
+def _view(payload: torch.Tensor, offset: int, item: st.Placed) -> torch.Tensor:
+    dtype = _FROM_SAFETENSORS[item.spec.dtype]
+    return payload[offset : offset + item.spec.nbytes].view(dtype).view(item.spec.shape)

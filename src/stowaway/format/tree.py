@@ -1,0 +1,210 @@
+"""Flatten a state dict into named tensors plus a JSON tree, and back.
+
+The walk carries a path of keys and indices (never a parsed string), records
+every container's exact type (dict, OrderedDict with its ``_metadata``, list,
+tuple, torch.Size) and every non-tensor leaf, and names each distinct tensor
+once, so tied tensors are stored once and come back as one object.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from stowaway.errors import UnsupportedState
+
+TREE_VERSION = 1
+Path = tuple[str | int, ...]
+
+_STORABLE_DTYPES = {
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.uint16, torch.uint32, torch.uint64,
+}
+
+
+@dataclass
+class Flat:
+    tree: Any
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._names_by_identity: dict[tuple[Any, ...], str] = {}
+
+    def node(self, value: Any, path: Path) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, path)
+        if isinstance(value, np.ndarray):
+            stored = self._tensor(_numpy_as_tensor(value, path), path)["T"]
+            return {"N": stored, "nd": value.dtype.str, "sh": list(value.shape)}
+        if value is None or isinstance(value, bool | int | str):
+            return {"v": value}
+        if isinstance(value, float):
+            return {"v": value} if math.isfinite(value) else {"f": repr(value)}
+        if isinstance(value, torch.Size):
+            return {"S": list(value)}
+        if isinstance(value, torch.dtype):
+            return {"dt": str(value).removeprefix("torch.")}
+        if type(value) in (dict, OrderedDict):
+            return self._mapping(value, path)
+        if type(value) in (list, tuple):
+            kind = "l" if type(value) is list else "t"
+            return {kind: [self.node(item, (*path, index)) for index, item in enumerate(value)]}
+        if self.allow_pickle:
+            blob = np.frombuffer(pickle.dumps(value), dtype=np.uint8).copy()
+            return {"pk": self._tensor(torch.from_numpy(blob), path)["T"]}
+        raise UnsupportedState(
+            f"state at {_show(path)} is a {type(value).__module__}.{type(value).__qualname__}, which "
+            "Stowaway stores only as tensors, numbers, strings, None, lists, tuples and dicts; "
+            "convert it (for example to its state_dict()) or pass allow_pickle=True to "
+            "Checkpointer to store it pickled"
+        )
+
+    def _mapping(self, value: dict[Any, Any], path: Path) -> Any:
+        items = []
+        for key, item in value.items():
+            if key is not None and not isinstance(key, str | int | float | bool):
+                raise UnsupportedState(f"state at {_show(path)} has a key of type {type(key).__name__}")
+            items.append([self.node(key, path), self.node(item, (*path, key))])
+        encoded: dict[str, Any] = {"d": items}
+        if type(value) is OrderedDict:
+            encoded["o"] = 1
+            metadata = getattr(value, "_metadata", None)
+            if metadata is not None:
+                encoded["m"] = self.node(metadata, (*path, "_metadata"))
+        return encoded
+
+    def _tensor(self, tensor: torch.Tensor, path: Path) -> dict[str, Any]:
+        if tensor.layout != torch.strided:
+            raise UnsupportedState(
+                f"tensor at {_show(path)} has layout {tensor.layout}; store it dense (tensor.to_dense()) "
+                "or as its components"
+            )
+        if tensor.dtype not in _STORABLE_DTYPES:
+            raise UnsupportedState(f"tensor at {_show(path)} has dtype {tensor.dtype}, which Stowaway cannot store")
+        identity = (
+            tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+            tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
+        )
+        name = self._names_by_identity.get(identity)
+        if name is None:
+            name = self._unique_name(path)
+            self._names_by_identity[identity] = name
+            self.tensors[name] = tensor.detach()
+        encoded: dict[str, Any] = {"T": name}
+        if isinstance(tensor, torch.nn.Parameter):
+            encoded["P"] = int(tensor.requires_grad)
+        return encoded
+
+    def _unique_name(self, path: Path) -> str:
+        base = ".".join(str(part) for part in path) or "tensor"
+        name, counter = base, 1
+        while name in self.tensors or name == "__metadata__":
+            counter += 1
+            name = f"{base}#{counter}"
+        return name
+
+
+def flatten(state: Any, allow_pickle: bool = False) -> Flat:
+    flattener = _Flattener(allow_pickle)
+    tree = flattener.node(state, ())
+    return Flat({"version": TREE_VERSION, "root": tree}, flattener.tensors)
+
+
+def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor], allow_pickle: bool = False) -> Any:
+    if tree.get("version") != TREE_VERSION:
+        raise UnsupportedState(
+            f"state tree version {tree.get('version')} is not readable by this release "
+            f"(reads {TREE_VERSION}); upgrade Stowaway"
+        )
+    return _Unflattener(tensors, allow_pickle).node(tree["root"])
+
+
+class _Unflattener:
+    def __init__(self, tensors: dict[str, torch.Tensor], allow_pickle: bool) -> None:
+        self.tensors = tensors
+        self.allow_pickle = allow_pickle
+        self._parameters: dict[str, torch.nn.Parameter] = {}
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def node(self, encoded: dict[str, Any]) -> Any:
+        if "T" in encoded:
+            return self._tensor(encoded)
+        if "v" in encoded:
+            return encoded["v"]
+        if "f" in encoded:
+            return float(encoded["f"])
+        if "d" in encoded:
+            return self._mapping(encoded)
+        if "l" in encoded:
+            return [self.node(item) for item in encoded["l"]]
+        if "t" in encoded:
+            return tuple(self.node(item) for item in encoded["t"])
+        if "S" in encoded:
+            return torch.Size(encoded["S"])
+        if "dt" in encoded:
+            return getattr(torch, encoded["dt"])
+        if "N" in encoded:
+            return self._array(encoded)
+        if "pk" in encoded:
+            return self._unpickle(encoded["pk"])
+        raise UnsupportedState(f"state tree holds an unknown node {sorted(encoded)}")
+
+    def _tensor(self, encoded: dict[str, Any]) -> torch.Tensor:
+        tensor = self.tensors[encoded["T"]]
+        if "P" not in encoded:
+            return tensor
+        if encoded["T"] not in self._parameters:
+            self._parameters[encoded["T"]] = torch.nn.Parameter(tensor, requires_grad=bool(encoded["P"]))
+        return self._parameters[encoded["T"]]
+
+    def _array(self, encoded: dict[str, Any]) -> np.ndarray:
+        name = encoded["N"]
+        if name not in self._arrays:
+            raw = self.tensors[name].cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            typed = raw.view(np.dtype(encoded["nd"])).reshape(tuple(encoded["sh"]))
+            self._arrays[name] = typed.copy()
+        return self._arrays[name]
+
+    def _mapping(self, encoded: dict[str, Any]) -> dict[Any, Any]:
+        result: dict[Any, Any] = OrderedDict() if encoded.get("o") else {}
+        for key, value in encoded["d"]:
+            result[self.node(key)] = self.node(value)
+        if "m" in encoded:
+            result._metadata = self.node(encoded["m"])  # type: ignore[attr-defined]
+        return result
+
+    def _unpickle(self, name: str) -> Any:
+        if not self.allow_pickle:
+            raise UnsupportedState(
+                f"checkpoint holds a pickled object at {name!r}; load with allow_pickle=True "
+                "only if you trust whoever wrote it"
+            )
+        return pickle.loads(self.tensors[name].cpu().numpy().tobytes())
+
+
+def _numpy_as_tensor(array: np.ndarray, path: Path) -> torch.Tensor:
+    if array.dtype.hasobject:
+        raise UnsupportedState(f"numpy array at {_show(path)} holds Python objects")
+    contiguous = np.ascontiguousarray(array)
+    raw = torch.from_numpy(contiguous.reshape(-1).view(np.uint8))
+    element = contiguous.dtype.itemsize
+    if element in (1, 2, 4, 8):
+        typed = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[element]
+        return raw.view(typed).reshape(contiguous.shape)
+    return raw
+
+
+def _show(path: Path) -> str:
+    return "state" + "".join(f"[{part!r}]" for part in path)

@@ -1,0 +1,209 @@
+"""Turning durable rank files into a committed checkpoint.
+
+Per step, this sidecar waits until every local rank's file is durable, writes
+its node's receipt, and then:
+- if it hosts global rank 0 (the coordinator), waits until receipts of this
+  run cover every rank, writes the manifest (the commit) and applies retention;
+- otherwise waits until the coordinator's manifest for this run appears.
+Both waits end at the commit timeout. Every rank that persisted the step gets
+exactly one ``committed`` or ``failed`` for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stowaway.sidecar import retention
+from stowaway.sidecar.config import SidecarConfig
+from stowaway.sidecar.ranks import Registry
+from stowaway.sidecar.stats import Stats
+from stowaway.storage import catalog, durable, layout, manifest
+
+log = logging.getLogger(__name__)
+_REMEMBERED_FAILURES = 256
+
+
+@dataclass
+class PendingStep:
+    job: str
+    run: str
+    step: int
+    world_size: int
+    local_world_size: int
+    started_unix: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.monotonic)
+    admitted: set[int] = field(default_factory=set)
+    entries: dict[int, manifest.FileEntry] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+
+
+class Committer:
+    def __init__(self, config: SidecarConfig, registry: Registry, stats: Stats) -> None:
+        self._config = config
+        self._registry = registry
+        self._stats = stats
+        self._pending: dict[tuple[str, int], PendingStep] = {}
+        self._failed: dict[tuple[str, int, str], str] = {}
+        # Commits of one job run in worker threads; the manifest, `latest` and retention
+        # of one job are changed by one thread at a time.
+        self._storage_lock = threading.Lock()
+
+    def job_path(self, job: str) -> Path:
+        return layout.job_dir(self._config.storage, job)
+
+    def admit(self, job: str, run: str, step: int, rank: int, world_size: int, local_world_size: int) -> str | None:
+        """Register a rank's persist of a step; return why it must be refused, if it must."""
+        failure = self._failed.get((job, step, run))
+        if failure is not None:
+            return failure
+        step_path = layout.step_dir(self.job_path(job), step)
+        pending = self._pending.get((job, step))
+        if pending is not None and pending.run != run:
+            return f"step {step} is being saved by another run ({pending.run}) of job {job}"
+        if pending is None:
+            if (step_path / layout.MANIFEST).exists():
+                return (
+                    f"step {step} of job {job} is already committed at {step_path}; a checkpoint is "
+                    "never overwritten: save a later step (load() returns the step to continue from)"
+                )
+            pending = PendingStep(job, run, step, world_size, local_world_size)
+            self._pending[(job, step)] = pending
+        pending.admitted.add(rank)
+        pending.local_world_size = max(pending.local_world_size, local_world_size)
+        return None
+
+    def busy_steps(self, job: str) -> set[int]:
+        return {step for (name, step) in self._pending if name == job}
+
+    async def durable(self, job: str, step: int, entry: manifest.FileEntry) -> None:
+        pending = self._pending.get((job, step))
+        if pending is None:
+            return
+        pending.entries[entry.rank] = entry
+        if len(pending.entries) < pending.local_world_size or pending.task is not None:
+            return
+        receipt = manifest.Receipt(
+            self._config.node, pending.run, step, pending.world_size,
+            sorted(pending.entries.values(), key=lambda item: item.rank),
+        )
+        step_path = layout.step_dir(self.job_path(job), step)
+        try:
+            await asyncio.to_thread(manifest.write_receipt, step_path, receipt)
+        except OSError as exc:
+            self.fail(job, step, "storage_io", f"cannot write the receipt of node {self._config.node}: {exc}")
+            return
+        pending.task = asyncio.create_task(self._await_commit(pending), name=f"commit {job}/{step}")
+
+    def fail(self, job: str, step: int, kind: str, reason: str) -> None:
+        """Fail the whole step for every local rank that persisted it."""
+        pending = self._pending.pop((job, step), None)
+        if pending is None:
+            return
+        if pending.task is not None and pending.task is not asyncio.current_task():
+            pending.task.cancel()
+        self._remember_failure(job, step, pending.run, reason)
+        self._stats.failed(kind)
+        log.warning("step %d of job %s failed: %s", step, job, reason)
+        for rank in sorted(pending.admitted):
+            self._send(job, rank, {"type": "failed", "step": step, "slot": None, "reason": reason})
+
+    def _remember_failure(self, job: str, step: int, run: str, reason: str) -> None:
+        self._failed[(job, step, run)] = reason
+        while len(self._failed) > _REMEMBERED_FAILURES:
+            self._failed.pop(next(iter(self._failed)))
+
+    async def _await_commit(self, pending: PendingStep) -> None:
+        step_path = layout.step_dir(self.job_path(pending.job), pending.step)
+        deadline = pending.started + self._config.commit_timeout
+        coordinator = 0 in pending.entries
+        while True:
+            check = self._commit_if_complete if coordinator else self._missing_manifest
+            try:
+                missing = await asyncio.to_thread(check, pending, step_path)
+            except (OSError, manifest.ManifestError) as exc:
+                self.fail(pending.job, pending.step, "storage_io", f"commit of step {pending.step} failed: {exc}")
+                return
+            if missing is None:
+                self._finish(pending)
+                return
+            if time.monotonic() >= deadline:
+                self.fail(
+                    pending.job, pending.step, "commit_timeout",
+                    f"commit of step {pending.step} timed out after {self._config.commit_timeout:.0f} s "
+                    f"waiting for {missing}; check that every node's sidecar is running and shares "
+                    f"the storage at {self._config.storage}",
+                )
+                return
+            await asyncio.sleep(self._config.commit_poll_interval)
+
+    def _commit_if_complete(self, pending: PendingStep, step_path: Path) -> str | None:
+        receipts = [r for r in manifest.read_receipts(step_path) if r.run == pending.run]
+        entries = {entry.rank: entry for receipt in receipts for entry in receipt.files}
+        missing = sorted(set(range(pending.world_size)) - set(entries))
+        if missing:
+            return f"receipts of ranks {_ranges(missing)}"
+        with self._storage_lock:
+            self._write_commit(pending, step_path, receipts, entries)
+        return None
+
+    def _write_commit(self, pending: PendingStep, step_path: Path, receipts: list[manifest.Receipt],
+                      entries: dict[int, manifest.FileEntry]) -> None:
+        committed_unix = time.time()
+        manifest.write_manifest(
+            step_path,
+            manifest.Manifest(
+                job=pending.job, run=pending.run, step=pending.step, world_size=pending.world_size,
+                files=[entries[rank] for rank in range(pending.world_size)],
+                nodes=sorted({receipt.node for receipt in receipts}),
+                timings={
+                    "first_persist_unix": pending.started_unix,
+                    "commit_seconds": committed_unix - pending.started_unix,
+                },
+                created_unix=committed_unix,
+            ),
+        )
+        job_path = self.job_path(pending.job)
+        if pending.step >= max(catalog.committed_steps(job_path), default=-1):
+            durable.write_atomic(job_path / layout.LATEST, f"{pending.step}\n".encode())
+        retention.apply(
+            job_path, self._config.keep_last, self._config.keep_every,
+            self._config.commit_timeout, self.busy_steps(pending.job) - {pending.step},
+        )
+
+    def _missing_manifest(self, pending: PendingStep, step_path: Path) -> str | None:
+        try:
+            found = manifest.read_manifest(step_path)
+        except manifest.ManifestError:
+            return "the manifest written by the sidecar that hosts rank 0"
+        if found.run != pending.run:
+            return f"a manifest of run {pending.run} (found one of run {found.run})"
+        return None
+
+    def _finish(self, pending: PendingStep) -> None:
+        self._pending.pop((pending.job, pending.step), None)
+        seconds = time.monotonic() - pending.started
+        self._stats.committed(pending.step, seconds, time.time())
+        log.info("committed step %d of job %s in %.3f s", pending.step, pending.job, seconds)
+        for rank in sorted(pending.admitted):
+            self._send(pending.job, rank, {"type": "committed", "step": pending.step})
+
+    def _send(self, job: str, rank: int, message: dict[str, object]) -> None:
+        for state in self._registry.job_ranks(job):
+            if state.rank == rank:
+                state.send(message)
+
+    def pending_tasks(self) -> list[asyncio.Task[None]]:
+        return [p.task for p in self._pending.values() if p.task is not None]
+
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+
+def _ranges(ranks: list[int]) -> str:
+    shown = ", ".join(str(rank) for rank in ranks[:16])
+    return shown + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")

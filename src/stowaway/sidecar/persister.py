@@ -1,0 +1,156 @@
+"""Copy one slot's payload into its storage file, checksumming as it goes.
+
+Two phases, so that the rank gets its slot back as early as possible:
+``copy_out`` reads the slot (the rank must not write meanwhile) and returns;
+the sidecar then releases the slot and calls ``make_durable`` (fdatasync,
+rename, directory fsync), which no longer reads shared memory.
+
+After copying, the slot header is read again: if the generation moved, some
+writer broke the ownership rule, and the copy is thrown away rather than
+committed torn.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from stowaway.slots import header
+from stowaway.slots.shm import SlotFile
+from stowaway.storage import checksum, durable
+from stowaway.storage.layout import TMP_SUFFIX
+
+CHUNK_BYTES = 8 * 2**20
+
+
+class PersistError(Exception):
+    """A persist failed; ``kind`` is the metric label, the message is for the rank."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def classify(exc: OSError, path: Path) -> PersistError:
+    kinds = {errno.ENOSPC: "storage_full", errno.EDQUOT: "storage_full", errno.EROFS: "storage_read_only"}
+    kind = kinds.get(exc.errno or 0, "storage_io")
+    hint = {
+        "storage_full": "free space or raise the volume's size; earlier checkpoints are untouched",
+        "storage_read_only": "the storage volume is mounted read-only; mount it read-write",
+        "storage_io": "check the storage volume and the sidecar's log",
+    }[kind]
+    name = errno.errorcode.get(exc.errno or 0, "error")
+    return PersistError(kind, f"storage error {name} ({exc.strerror}) writing {path}: {hint}")
+
+
+class RateLimiter:
+    """Caps the sidecar's write bandwidth so checkpoints do not starve shared storage."""
+
+    def __init__(self, bytes_per_second: float) -> None:
+        self._rate = bytes_per_second
+        self._lock = threading.Lock()
+        self._next_free = time.monotonic()
+
+    def acquire(self, nbytes: int) -> None:
+        if self._rate <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next_free)
+            self._next_free = start + nbytes / self._rate
+            delay = self._next_free - now
+        time.sleep(delay)
+
+
+@dataclass
+class Written:
+    tmp: Path
+    final: Path
+    fd: int
+    nbytes: int
+    digest: str
+
+
+def check_slot(slot: SlotFile, step: int, generation: int, nbytes: int) -> None:
+    slot.refresh()
+    try:
+        found = slot.read_header()
+    except header.SlotHeaderError as exc:
+        raise PersistError("slot_invalid", f"slot {slot.path} is unreadable: {exc}") from exc
+    if not found.complete or found.step != step or found.generation != generation:
+        raise PersistError(
+            "slot_invalid",
+            f"slot {slot.path} holds {found.state.name} step {found.step} generation {found.generation}, "
+            f"but the persist names step {step} generation {generation}; the slot was not published "
+            "completely: this is a client bug, please report it",
+        )
+    if found.payload_nbytes != nbytes or nbytes > slot.capacity:
+        raise PersistError(
+            "slot_invalid",
+            f"slot {slot.path} holds {found.payload_nbytes} bytes (capacity {slot.capacity}), "
+            f"the persist names {nbytes}",
+        )
+
+
+def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Path,
+             limiter: RateLimiter) -> Written:
+    check_slot(slot, step, generation, nbytes)
+    try:
+        durable.make_dirs(final.parent)
+    except OSError as exc:
+        raise classify(exc, final.parent) from exc
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, durable.FILE_MODE)
+    except OSError as exc:
+        raise classify(exc, tmp) from exc
+    written = Written(tmp, final, fd, nbytes, "")
+    try:
+        hasher = checksum.new()
+        payload = slot.payload(nbytes)
+        for begin in range(0, nbytes, CHUNK_BYTES):
+            chunk = payload[begin : begin + CHUNK_BYTES]
+            limiter.acquire(len(chunk))
+            hasher.update(chunk)
+            while chunk:
+                chunk = chunk[os.write(fd, chunk) :]
+        written.digest = hasher.hexdigest()
+        after = slot.read_header()
+        if not after.complete or after.generation != generation:
+            raise PersistError(
+                "slot_overwritten",
+                f"slot {slot.path} changed while it was being persisted (generation {generation} -> "
+                f"{after.generation}); the copy was discarded",
+            )
+    except OSError as exc:
+        discard(written)
+        raise classify(exc, tmp) from exc
+    except BaseException:
+        discard(written)
+        raise
+    return written
+
+
+def make_durable(written: Written) -> None:
+    try:
+        os.fdatasync(written.fd)
+        # Dirty pages count against the pod's memory limit; drop them once they are on disk.
+        os.posix_fadvise(written.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(written.fd)
+        written.fd = -1
+        os.replace(written.tmp, written.final)
+        durable.fsync_dir(written.final.parent)
+    except OSError as exc:
+        discard(written)
+        raise classify(exc, written.final) from exc
+
+
+def discard(written: Written) -> None:
+    if written.fd >= 0:
+        os.close(written.fd)
+        written.fd = -1
+    written.tmp.unlink(missing_ok=True)

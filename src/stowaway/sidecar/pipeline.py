@@ -1,0 +1,87 @@
+"""One persist, start to finish: slot → file → release → durable → commit.
+
+Every persist ends in exactly one ``released`` or ``failed`` carrying its slot,
+sent on the rank's current connection, whatever goes wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from stowaway.sidecar import persister
+from stowaway.sidecar.commit import Committer
+from stowaway.sidecar.config import SidecarConfig
+from stowaway.sidecar.ranks import RankState
+from stowaway.sidecar.stats import Stats
+from stowaway.storage import layout, manifest
+
+log = logging.getLogger(__name__)
+
+
+class SavePipeline:
+    def __init__(self, config: SidecarConfig, committer: Committer, stats: Stats) -> None:
+        self._config = config
+        self._committer = committer
+        self._stats = stats
+        self._workers = asyncio.Semaphore(config.persist_workers)
+        self._limiter = persister.RateLimiter(config.write_rate_limit)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, state: RankState, request: dict[str, Any]) -> None:
+        """Take ownership of the slot and persist it in the background."""
+        slot, step = request["slot"], request["step"]
+        refusal = self._committer.admit(
+            state.job, request["run"], step, state.rank, state.world_size, state.local_world_size
+        )
+        if refusal is not None:
+            state.send({"type": "failed", "step": step, "slot": slot, "reason": refusal})
+            return
+        state.busy.add(slot)
+        self._stats.save_reported(request["blocking_seconds"], request["slot_wait_seconds"])
+        task = asyncio.create_task(self._persist(state, request), name=f"persist {state.job}/{state.rank}/{step}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _persist(self, state: RankState, request: dict[str, Any]) -> None:
+        slot_index, step = request["slot"], request["step"]
+        final = layout.step_dir(self._committer.job_path(state.job), step) / layout.rank_file_name(
+            state.rank, state.world_size
+        )
+        try:
+            async with self._workers:
+                started = time.monotonic()
+                written = await asyncio.to_thread(
+                    persister.copy_out, state.slots[slot_index], step, request["generation"],
+                    request["nbytes"], final, self._limiter,
+                )
+                state.busy.discard(slot_index)
+                state.send({"type": "released", "slot": slot_index, "step": step,
+                            "generation": request["generation"]})
+                await asyncio.to_thread(persister.make_durable, written)
+                self._stats.persist_finished(written.nbytes, time.monotonic() - started)
+        except persister.PersistError as exc:
+            self._answer_failure(state, slot_index, step, exc.kind, str(exc))
+            return
+        except Exception as exc:
+            log.exception("persist of step %d rank %d failed unexpectedly", step, state.rank)
+            self._answer_failure(state, slot_index, step, "internal", f"internal error: {exc!r}")
+            return
+        state.send({"type": "persisted", "step": step})
+        entry = manifest.FileEntry(state.rank, final.name, written.nbytes, written.digest)
+        await self._committer.durable(state.job, step, entry)
+
+    def _answer_failure(self, state: RankState, slot: int, step: int, kind: str, reason: str) -> None:
+        if slot in state.busy:
+            state.busy.discard(slot)
+            state.send({"type": "failed", "step": step, "slot": slot, "reason": reason})
+        self._committer.fail(state.job, step, kind, f"rank {state.rank}: {reason}")
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait for in-flight persists; True when all finished within ``timeout``."""
+        if not self._tasks:
+            return True
+        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+        return not pending

@@ -1,0 +1,84 @@
+"""Which ranks the sidecar knows, their slots, and who owns each slot.
+
+A slot listed in ``busy`` belongs to the sidecar: a persist or a stage is
+reading or writing it. Every other slot belongs to its rank. The sidecar
+never touches a slot it does not own, and it answers about a slot only on the
+rank's current connection, so an answer cannot reach another rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stowaway.slots import naming
+from stowaway.slots.shm import SlotFile
+
+if TYPE_CHECKING:
+    from stowaway.sidecar.session import Session
+
+
+@dataclass
+class RankState:
+    job: str
+    rank: int
+    world_size: int
+    local_world_size: int
+    slots: dict[int, SlotFile] = field(default_factory=dict)
+    busy: set[int] = field(default_factory=set)
+    session: Session | None = None
+    memory_digests: dict[tuple[int, int, int], str] = field(default_factory=dict)
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Deliver to the rank's current connection; a rank that is gone gets nothing."""
+        if self.session is not None:
+            self.session.send(message)
+
+    def open_slot(self, shm_dir: Path, index: int) -> SlotFile:
+        old = self.slots.pop(index, None)
+        if old is not None:
+            old.close()
+        slot = SlotFile.open(naming.slot_path(shm_dir, self.job, self.rank, index), writable=True)
+        self.slots[index] = slot
+        return slot
+
+    def close(self) -> None:
+        for slot in self.slots.values():
+            slot.close()
+        self.slots.clear()
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._ranks: dict[tuple[str, int], RankState] = {}
+
+    def attach(self, session: Session, hello: dict[str, Any]) -> tuple[RankState, Session | None]:
+        """Make ``session`` the rank's connection; return the connection it replaces, if any."""
+        key = (hello["job"], hello["rank"])
+        state = self._ranks.get(key)
+        if state is None or state.world_size != hello["world_size"]:
+            if state is not None and not state.busy:
+                state.close()
+            state = RankState(hello["job"], hello["rank"], hello["world_size"], hello["local_world_size"])
+            self._ranks[key] = state
+        state.local_world_size = hello["local_world_size"]
+        previous, state.session = state.session, session
+        return state, previous
+
+    def detach(self, state: RankState, session: Session) -> None:
+        if state.session is session:
+            state.session = None
+
+    def job_ranks(self, job: str) -> list[RankState]:
+        return [state for (name, _), state in self._ranks.items() if name == job]
+
+    def connected(self) -> int:
+        return sum(1 for state in self._ranks.values() if state.session is not None)
+
+    def in_flight(self) -> int:
+        return sum(len(state.busy) for state in self._ranks.values())
+
+    def close(self) -> None:
+        for state in self._ranks.values():
+            state.close()

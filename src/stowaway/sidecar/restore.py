@@ -1,0 +1,110 @@
+"""Serving ``load()``: what a rank can restore, and staging a stored file into its slot.
+
+The storage volume is mounted only into the sidecar, so a rank restoring from
+storage hands a slot to the sidecar, which reads the file into it while
+checking the manifest's checksum; the rank then restores from memory as usual.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from stowaway.sidecar.persister import PersistError
+from stowaway.sidecar.ranks import RankState
+from stowaway.slots import header
+from stowaway.slots.shm import SlotFile
+from stowaway.storage import catalog, checksum, layout, manifest
+
+MAX_LISTED_STEPS = 64
+CHUNK_BYTES = 16 * 2**20
+
+
+def inventory(job_path: Path, state: RankState) -> dict[str, Any]:
+    """Committed steps with this rank's file size, and which of them its slots hold intact."""
+    committed = []
+    memory = []
+    for step in reversed(catalog.committed_steps(job_path)[-MAX_LISTED_STEPS:]):
+        try:
+            found = manifest.read_manifest(layout.step_dir(job_path, step))
+            entry = found.file_for(state.rank)
+        except manifest.ManifestError:
+            continue
+        if found.world_size != state.world_size:
+            continue
+        committed.append({"step": step, "nbytes": entry.bytes})
+        slot = _slot_holding(state, step, entry)
+        if slot is not None:
+            memory.append({"step": step, "slot": slot})
+    return {"type": "inventory", "committed": committed, "memory": memory}
+
+
+def _slot_holding(state: RankState, step: int, entry: manifest.FileEntry) -> int | None:
+    for index, slot in state.slots.items():
+        if index in state.busy:
+            continue
+        slot.refresh()
+        try:
+            found = slot.read_header()
+        except header.SlotHeaderError:
+            continue
+        if not found.complete or found.step != step or found.payload_nbytes != entry.bytes:
+            continue
+        key = (index, found.generation, step)
+        digest = state.memory_digests.get(key)
+        if digest is None:
+            digest = checksum.of_bytes(slot.payload(found.payload_nbytes))
+            if slot.read_header().generation != found.generation:
+                continue
+            state.memory_digests[key] = digest
+        if digest == entry.xxh3_64:
+            return index
+    return None
+
+
+def stage(job_path: Path, state: RankState, slot: SlotFile, step: int) -> tuple[int, int]:
+    """Fill ``slot`` with the rank's stored file of ``step``; return (generation, nbytes)."""
+    step_path = layout.step_dir(job_path, step)
+    try:
+        entry = manifest.read_manifest(step_path).file_for(state.rank)
+    except manifest.ManifestError as exc:
+        raise PersistError("restore_missing", f"step {step} cannot be restored: {exc}") from exc
+    if entry.bytes > slot.capacity:
+        raise PersistError(
+            "restore_slot_small", f"slot {slot.path} holds {slot.capacity} bytes, step {step} needs {entry.bytes}"
+        )
+    path = step_path / entry.name
+    current = slot.read_header()
+    generation = current.generation + 1
+    header.begin_write(slot.header_view, generation)
+    hasher = checksum.new()
+    payload = slot.payload(entry.bytes)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            offset = 0
+            while offset < entry.bytes:
+                count = os.readv(fd, [payload[offset : offset + CHUNK_BYTES]])
+                if count == 0:
+                    break
+                hasher.update(payload[offset : offset + count])
+                offset += count
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise PersistError("restore_io", f"cannot read {path}: {exc.strerror}") from exc
+    digest = hasher.hexdigest()
+    if offset != entry.bytes or digest != entry.xxh3_64:
+        raise PersistError(
+            "restore_corrupt",
+            f"{path} is corrupt: {offset} bytes with xxh3-64 {digest}, the manifest says {entry.bytes} "
+            f"bytes with {entry.xxh3_64}; run `stowaway verify {job_path}` for details",
+        )
+    header.finish_write(slot.header_view, step, generation, entry.bytes)
+    state.memory_digests[(_index_of(state, slot), generation, step)] = digest
+    return generation, entry.bytes
+
+
+def _index_of(state: RankState, slot: SlotFile) -> int:
+    return next(index for index, candidate in state.slots.items() if candidate is slot)

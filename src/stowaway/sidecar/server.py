@@ -1,0 +1,137 @@
+"""The sidecar daemon's lifecycle: startup → serve → drain → shutdown.
+
+Signal handlers only set an event. Shutdown stops accepting connections,
+lets in-flight persists and commits finish within the grace period, then
+exits; ranks still connected get a closed connection and reconnect to the
+next sidecar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+from pathlib import Path
+
+from stowaway.sidecar.commit import Committer
+from stowaway.sidecar.config import SidecarConfig
+from stowaway.sidecar.pipeline import SavePipeline
+from stowaway.sidecar.ranks import Registry
+from stowaway.sidecar.session import Session
+from stowaway.sidecar.stats import Stats
+
+log = logging.getLogger(__name__)
+_PEERCRED = struct.Struct("3i")
+
+
+class SidecarError(Exception):
+    """The sidecar cannot start; the message says what to change."""
+
+
+class Sidecar:
+    def __init__(self, config: SidecarConfig, stats: Stats | None = None) -> None:
+        self.config = config
+        self.stats = stats or Stats()
+        self.registry = Registry()
+        self.committer = Committer(config, self.registry, self.stats)
+        self.pipeline: SavePipeline
+        self._stop = asyncio.Event()
+        self._sessions: set[asyncio.Task[None]] = set()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def serve(self) -> None:
+        self.pipeline = SavePipeline(self.config, self.committer, self.stats)
+        self._prepare_directories()
+        server = await self._listen()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+        log.info(
+            "sidecar ready: socket %s, shared memory %s, storage %s, node %s",
+            self.config.socket_path, self.config.shm_dir, self.config.storage, self.config.node,
+        )
+        try:
+            await self._stop.wait()
+        finally:
+            await self._shutdown(server)
+
+    def _prepare_directories(self) -> None:
+        for directory in (self.config.socket_path.parent, self.config.shm_dir):
+            if not directory.exists():
+                directory.mkdir(mode=0o770, parents=True)
+            mode = directory.stat().st_mode
+            if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+                raise SidecarError(
+                    f"{directory} is world-writable without the sticky bit; any local user could "
+                    "replace the socket or slot files: use a directory with mode 0770"
+                )
+        try:
+            self.config.storage.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SidecarError(f"cannot create storage directory {self.config.storage}: {exc.strerror}") from exc
+
+    async def _listen(self) -> asyncio.base_events.Server:
+        path = self.config.socket_path
+        if path.exists() or path.is_symlink():
+            if _socket_answers(path):
+                raise SidecarError(f"another sidecar is already serving {path}; stop it or choose another --socket")
+            path.unlink()
+        server = await asyncio.start_unix_server(self._accept, path=str(path))
+        os.chmod(path, 0o660)
+        return server
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        session = Session(self, reader, writer, uid)
+        if uid not in self.config.allowed_uids:
+            self.stats.failed("peer_refused")
+            session.close(f"uid {uid} may not use this sidecar; allowed uids: {sorted(self.config.allowed_uids)}")
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._sessions.add(task)
+        self.stats.ranks_connected = self.registry.connected() + 1
+        try:
+            await session.run()
+        finally:
+            self._sessions.discard(task)
+            self.stats.ranks_connected = self.registry.connected()
+
+    async def _shutdown(self, server: asyncio.base_events.Server) -> None:
+        server.close()
+        grace = self.config.grace_period
+        log.info("stopping: waiting up to %.0f s for in-flight persists and commits", grace)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        drained = await self.pipeline.drain(grace)
+        commits = self.committer.pending_tasks()
+        if commits:
+            _, unfinished = await asyncio.wait(commits, timeout=max(0.0, deadline - loop.time()))
+            drained = drained and not unfinished
+        if not drained:
+            log.warning("grace period of %.0f s ended with work in flight; it was abandoned", grace)
+        for task in list(self._sessions):
+            task.cancel()
+        with contextlib.suppress(FileNotFoundError):
+            self.config.socket_path.unlink()
+        self.registry.close()
+        log.info("stopped: %s", self.stats.summary())
+
+
+def _socket_answers(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True

@@ -1,0 +1,136 @@
+"""One rank's connection: frames in, validated messages to handlers, answers out.
+
+A malformed frame or message ends this connection with one ``error`` frame
+that says what was wrong; it never reaches other ranks or stops the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from stowaway.protocol import frames, messages
+from stowaway.sidecar import restore
+from stowaway.sidecar.persister import PersistError
+from stowaway.sidecar.ranks import RankState
+from stowaway.slots.header import SlotHeaderError
+
+if TYPE_CHECKING:
+    from stowaway.sidecar.server import Sidecar
+
+log = logging.getLogger(__name__)
+READ_BYTES = 64 * 1024
+
+
+class SessionClosed(Exception):
+    """The connection must end; the message goes to the peer as an error frame."""
+
+
+class Session:
+    def __init__(self, sidecar: Sidecar, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 peer_uid: int) -> None:
+        self._sidecar = sidecar
+        self._reader = reader
+        self._writer = writer
+        self._peer_uid = peer_uid
+        self._state: RankState | None = None
+        self.label = "unidentified peer"
+
+    def send(self, message: dict[str, Any]) -> None:
+        if not self._writer.is_closing():
+            self._writer.write(frames.encode(message))
+
+    def close(self, reason: str) -> None:
+        log.warning("closing connection of %s: %s", self.label, reason)
+        self.send({"type": "error", "reason": reason})
+        self._writer.close()
+
+    async def run(self) -> None:
+        decoder = frames.FrameDecoder()
+        try:
+            while data := await self._reader.read(READ_BYTES):
+                for message in decoder.feed(data):
+                    await self._handle(message)
+            if decoder.pending_bytes:
+                log.warning("%s closed in the middle of a frame (%d bytes)", self.label, decoder.pending_bytes)
+        except (frames.FrameError, messages.MessageError, SessionClosed) as exc:
+            self._sidecar.stats.failed("protocol")
+            self.close(str(exc))
+        except ConnectionError:
+            pass
+        finally:
+            if self._state is not None:
+                self._sidecar.registry.detach(self._state, self)
+            self._writer.close()
+
+    async def _handle(self, message: dict[str, Any]) -> None:
+        messages.validate(message, messages.CLIENT_MESSAGES)
+        kind = message["type"]
+        if self._state is None:
+            if kind != "hello":
+                raise SessionClosed(f"expected hello as the first message, got {kind}")
+            self._hello(messages.validate_hello(message))
+            return
+        if kind == "hello":
+            raise SessionClosed("hello sent twice on one connection")
+        state = self._state
+        if kind == "register":
+            self._register(state, message["slot"])
+        elif kind == "persist":
+            self._owned_slot(state, message["slot"], "persist")
+            self._sidecar.pipeline.start(state, message)
+        elif kind == "query":
+            job_path = self._sidecar.committer.job_path(state.job)
+            self.send(await asyncio.to_thread(restore.inventory, job_path, state))
+        elif kind == "stage":
+            await self._stage(state, message["step"], message["slot"])
+
+    def _hello(self, hello: dict[str, Any]) -> None:
+        state, previous = self._sidecar.registry.attach(self, hello)
+        self._state = state
+        self.label = f"job {state.job} rank {state.rank} (pid {hello['pid']})"
+        if previous is not None:
+            previous.close(f"superseded by a new connection of {self.label}")
+        log.info("connected: %s", self.label)
+        self.send({
+            "type": "welcome", "protocol": messages.PROTOCOL_VERSION, "node": self._sidecar.config.node,
+            "busy": sorted(state.busy), "shm_dir": str(self._sidecar.config.shm_dir),
+        })
+
+    def _register(self, state: RankState, index: int) -> None:
+        messages.check_slot_index(index)
+        if index in state.busy:
+            raise SessionClosed(f"register of slot {index} while the sidecar still owns it")
+        try:
+            slot = state.open_slot(self._sidecar.config.shm_dir, index)
+            slot.read_header()
+        except (OSError, SlotHeaderError) as exc:
+            raise SessionClosed(f"cannot open slot {index} in {self._sidecar.config.shm_dir}: {exc}") from exc
+        if slot.owner_uid != self._peer_uid and self._peer_uid != 0:
+            state.slots.pop(index).close()
+            raise SessionClosed(f"slot file {slot.path} belongs to uid {slot.owner_uid}, not to the peer")
+        self.send({"type": "registered", "slot": index})
+
+    def _owned_slot(self, state: RankState, index: int, action: str) -> None:
+        messages.check_slot_index(index)
+        if index not in state.slots:
+            raise SessionClosed(f"{action} names slot {index}, which was never registered")
+        if index in state.busy:
+            raise SessionClosed(
+                f"{action} names slot {index}, which the sidecar still owns: wait for its released message"
+            )
+
+    async def _stage(self, state: RankState, step: int, index: int) -> None:
+        self._owned_slot(state, index, "stage")
+        state.busy.add(index)
+        job_path = self._sidecar.committer.job_path(state.job)
+        try:
+            generation, nbytes = await asyncio.to_thread(restore.stage, job_path, state, state.slots[index], step)
+        except PersistError as exc:
+            self._sidecar.stats.failed(exc.kind)
+            state.busy.discard(index)
+            state.send({"type": "failed", "step": step, "slot": index, "reason": str(exc)})
+            return
+        state.busy.discard(index)
+        state.send({"type": "staged", "step": step, "slot": index, "generation": generation, "nbytes": nbytes})

@@ -1,0 +1,156 @@
+"""Slot files in a tmpfs: allocation, pre-faulting, growth, capacity checks.
+
+Pages are allocated with ``posix_fallocate`` and mapped with ``MAP_POPULATE``
+once, at allocation: the first write to a fresh tmpfs page costs about thirty
+times a write to a resident one, and a checkpoint should cost a memcpy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from stowaway.errors import ShmCapacityError
+from stowaway.slots import header
+
+SLOT_FILE_MODE = 0o660
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _page_round(nbytes: int) -> int:
+    page = mmap.PAGESIZE
+    return (nbytes + page - 1) // page * page
+
+
+def file_size_for(capacity: int) -> int:
+    return header.HEADER_BYTES + _page_round(max(capacity, 1))
+
+
+class SlotFile:
+    """One mapped slot file. The owner of the slot (rank or sidecar) decides who may write."""
+
+    def __init__(self, path: Path, fd: int, writable: bool) -> None:
+        self.path = path
+        self._fd = fd
+        self._writable = writable
+        self._map: mmap.mmap | None = None
+        self._remap()
+
+    @classmethod
+    def create(cls, path: Path, capacity: int) -> SlotFile:
+        """Create (or take over) a slot file of at least ``capacity`` payload bytes."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, SLOT_FILE_MODE)
+        try:
+            os.fchmod(fd, SLOT_FILE_MODE)
+            size = file_size_for(capacity)
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        slot = cls(path, fd, writable=True)
+        header.write_empty(slot.header_view, size - header.HEADER_BYTES)
+        return slot
+
+    @classmethod
+    def open(cls, path: Path, writable: bool) -> SlotFile:
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+        return cls(path, os.open(path, flags), writable)
+
+    def _remap(self) -> None:
+        if self._map is not None:
+            self._map.close()
+        size = os.fstat(self._fd).st_size
+        if size < header.HEADER_BYTES:
+            raise header.SlotHeaderError(f"{self.path} is {size} bytes, shorter than a slot header")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self._writable else 0)
+        self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot)
+
+    @property
+    def capacity(self) -> int:
+        assert self._map is not None
+        return len(self._map) - header.HEADER_BYTES
+
+    @property
+    def header_view(self) -> memoryview:
+        assert self._map is not None
+        return memoryview(self._map)[: header.HEADER_BYTES]
+
+    def payload(self, nbytes: int | None = None) -> memoryview:
+        assert self._map is not None
+        end = len(self._map) if nbytes is None else header.HEADER_BYTES + nbytes
+        return memoryview(self._map)[header.HEADER_BYTES : end]
+
+    def read_header(self) -> header.SlotHeader:
+        return header.read(self.header_view)
+
+    def refresh(self) -> None:
+        """Follow a growth made by the other side."""
+        if os.fstat(self._fd).st_size != (len(self._map) if self._map is not None else 0):
+            self._remap()
+
+    def grow(self, capacity: int) -> None:
+        """Enlarge the slot; only its current owner may call this."""
+        size = file_size_for(capacity)
+        os.ftruncate(self._fd, size)
+        os.posix_fallocate(self._fd, 0, size)
+        self._remap()
+        header.write_empty(self.header_view, size - header.HEADER_BYTES)
+
+    @property
+    def owner_uid(self) -> int:
+        return os.fstat(self._fd).st_uid
+
+    def close(self) -> None:
+        if self._map is not None:
+            # A tensor may still view the mapping; the kernel then drops it with the process.
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+@dataclass(frozen=True)
+class ShmUsage:
+    free_bytes: int
+    held_by_job: int
+
+
+def usage(shm_dir: Path, job_glob: str) -> ShmUsage:
+    stats = os.statvfs(shm_dir)
+    held = sum(p.stat().st_blocks * 512 for p in shm_dir.glob(job_glob) if p.is_file())
+    return ShmUsage(stats.f_bavail * stats.f_frsize, held)
+
+
+def check_capacity(
+    shm_dir: Path, job_glob: str, per_rank_bytes: int, local_world_size: int, already_mine: int
+) -> None:
+    """Fail before writing anything if the local ranks' slots cannot all fit.
+
+    Too small a /dev/shm is the most common failure of shared-memory
+    checkpointing in Kubernetes (the default is 64 MiB), and tmpfs reports it
+    as SIGBUS in the middle of a copy, so we check up front and say which
+    setting to raise.
+    """
+    now = usage(shm_dir, job_glob)
+    needed = per_rank_bytes * local_world_size
+    available = now.free_bytes + now.held_by_job
+    if needed <= available:
+        return
+    raise ShmCapacityError(
+        f"shared memory at {shm_dir} is too small: {local_world_size} local rank(s) need "
+        f"{_gib(needed)} for their slots ({_gib(per_rank_bytes)} each), but only "
+        f"{_gib(available)} is available ({_gib(now.free_bytes)} free, "
+        f"{_gib(now.held_by_job - already_mine)} held by other ranks of this job). "
+        "Raise the CheckpointPolicy's spec.sharedMemory.sizeLimit (in Kubernetes) or the size of "
+        "/dev/shm (docker --shm-size), or lower spec.sharedMemory.slotsPerRank / Checkpointer(slots=...)."
+    )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

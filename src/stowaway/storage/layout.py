@@ -1,0 +1,56 @@
+"""Names of things in a job's storage directory.
+
+    <storage>/<job>/step-000000000042/rank-00003-of-00008.safetensors
+    <storage>/<job>/step-000000000042/receipt-<node>.json
+    <storage>/<job>/step-000000000042/manifest.json     (written last)
+    <storage>/<job>/latest                              (convenience pointer)
+
+A checkpoint exists if and only if its manifest exists.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TMP_SUFFIX = ".tmp"
+_STEP_DIR = re.compile(r"^step-(\d{12})$")
+
+
+def job_dir(storage: Path, job: str) -> Path:
+    return storage / job
+
+
+def step_dir(job_path: Path, step: int) -> Path:
+    return job_path / f"step-{step:012d}"
+
+
+def step_of(path: Path) -> int | None:
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def rank_file_name(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def receipt_name(node: str) -> str:
+    return f"receipt-{node}.json"
+
+
+def step_dirs(job_path: Path) -> dict[int, Path]:
+    """Every step directory, committed or not."""
+    if not job_path.is_dir():
+        return {}
+    found = {}
+    for entry in job_path.iterdir():
+        step = step_of(entry)
+        if step is not None and entry.is_dir():
+            found[step] = entry
+    return found
+
+
+def is_job_dir(path: Path) -> bool:
+    return bool(step_dirs(path)) or (path / LATEST).exists()

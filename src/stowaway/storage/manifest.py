@@ -1,0 +1,130 @@
+"""The manifest and per-node receipts: what a committed checkpoint contains.
+
+Both are JSON written with ``durable.write_atomic``. The manifest is written
+last, after every rank's file is durable, and its presence is the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stowaway.storage import durable, layout
+
+FORMAT = "stowaway-checkpoint"
+FORMAT_VERSION = 1
+
+
+class ManifestError(ValueError):
+    """A manifest or receipt is unreadable or inconsistent."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    rank: int
+    name: str
+    bytes: int
+    xxh3_64: str
+
+
+@dataclass(frozen=True)
+class Receipt:
+    node: str
+    run: str
+    step: int
+    world_size: int
+    files: list[FileEntry]
+    written_unix: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    job: str
+    run: str
+    step: int
+    world_size: int
+    files: list[FileEntry]
+    nodes: list[str]
+    timings: dict[str, float]
+    created_unix: float = field(default_factory=time.time)
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.bytes for entry in self.files)
+
+    def file_for(self, rank: int) -> FileEntry:
+        for entry in self.files:
+            if entry.rank == rank:
+                return entry
+        raise ManifestError(f"manifest of step {self.step} has no file for rank {rank}")
+
+
+def write_receipt(step_path: Path, receipt: Receipt) -> None:
+    durable.write_atomic(step_path / layout.receipt_name(receipt.node), _dump(asdict(receipt)))
+
+
+def read_receipts(step_path: Path) -> list[Receipt]:
+    receipts = []
+    for path in sorted(step_path.glob("receipt-*.json")):
+        raw = _load(path)
+        try:
+            receipts.append(
+                Receipt(
+                    node=str(raw["node"]), run=str(raw["run"]), step=int(raw["step"]),
+                    world_size=int(raw["world_size"]),
+                    files=[FileEntry(**entry) for entry in raw["files"]],
+                    written_unix=float(raw["written_unix"]),
+                )
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"{path} is not a valid receipt: {exc}") from exc
+    return receipts
+
+
+def write_manifest(step_path: Path, manifest: Manifest) -> None:
+    durable.write_atomic(step_path / layout.MANIFEST, _dump(asdict(manifest)))
+
+
+def read_manifest(step_path: Path) -> Manifest:
+    path = step_path / layout.MANIFEST
+    raw = _load(path)
+    if raw.get("format") != FORMAT:
+        raise ManifestError(f"{path} is not a Stowaway manifest (format {raw.get('format')!r})")
+    if raw.get("format_version") != FORMAT_VERSION:
+        raise ManifestError(
+            f"{path} has format version {raw.get('format_version')}; this release reads "
+            f"version {FORMAT_VERSION}: upgrade Stowaway to read it"
+        )
+    try:
+        manifest = Manifest(
+            job=str(raw["job"]), run=str(raw["run"]), step=int(raw["step"]), world_size=int(raw["world_size"]),
+            files=[FileEntry(**entry) for entry in raw["files"]], nodes=list(raw["nodes"]),
+            timings=dict(raw["timings"]), created_unix=float(raw["created_unix"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"{path} is not a valid manifest: {exc}") from exc
+    if sorted(entry.rank for entry in manifest.files) != list(range(manifest.world_size)):
+        raise ManifestError(f"{path} does not list exactly one file per rank 0..{manifest.world_size - 1}")
+    for entry in manifest.files:
+        if Path(entry.name).name != entry.name or entry.name.startswith("."):
+            raise ManifestError(f"{path} names a file outside its directory: {entry.name!r}")
+    return manifest
+
+
+def _dump(value: dict[str, Any]) -> bytes:
+    return (json.dumps(value, indent=1, sort_keys=True) + "\n").encode()
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{path} does not hold a JSON object")
+    return raw
