@@ -38,13 +38,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--keep-last", type=int, default=3, metavar="K", help="committed checkpoints to keep")
     parser.add_argument("--grace-period", type=float, default=300.0, metavar="SECONDS",
                         help="how long in-flight persists may take once COMMAND has exited")
-    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND...",
+    parser.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND...",
                         help="the command to run, after --")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
         raise CommandError("no command given: use `stowaway run --storage DIR -- torchrun ... train.py`")
     workdir = Path(tempfile.mkdtemp(prefix="stw-", dir="/tmp"))

@@ -28,6 +28,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="also keep every checkpoint whose step is a multiple of M (0: off)")
     parser.add_argument("--commit-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="how long a step may wait for every rank's file before it fails")
+    parser.add_argument("--commit-poll-interval", type=float, default=0.2, metavar="SECONDS",
+                        help="how often a pending commit looks for receipts of other nodes on shared storage")
     parser.add_argument("--persist-workers", type=int, default=4, help="slots persisted concurrently")
     parser.add_argument("--write-rate-limit", type=float, default=0.0, metavar="BYTES_PER_SECOND",
                         help="cap on write bandwidth to storage (0: unlimited)")
@@ -35,7 +37,6 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="on SIGTERM, how long in-flight persists may take to finish")
     parser.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                         help="also accept ranks running as this uid (the sidecar's uid and root always are)")
-    parser.add_argument("--metrics-port", type=int, default=0, help="port of /metrics (0: off)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.set_defaults(handler=run)
 
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
             storage=args.storage.absolute(), socket_path=args.socket.absolute(), shm_dir=args.shm_dir.absolute(),
             keep_last=args.keep_last, keep_every=args.keep_every, commit_timeout=args.commit_timeout,
             persist_workers=args.persist_workers, write_rate_limit=args.write_rate_limit,
-            grace_period=args.grace_period, metrics_port=args.metrics_port,
+            grace_period=args.grace_period,
+            commit_poll_interval=args.commit_poll_interval,
             allowed_uids=frozenset({os.getuid(), 0, *args.allow_uid}), **extra,
         )
     except ValueError as exc:

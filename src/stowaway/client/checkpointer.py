@@ -23,6 +23,7 @@ from stowaway.errors import (
     SidecarUnavailable,
     SlotWaitTimeout,
     StowawayError,
+    UnsupportedState,
 )
 from stowaway.format import codec
 from stowaway.format.safetensors_header import HeaderError
@@ -153,15 +154,20 @@ class Checkpointer:
         wanted = [found for found in sizes if step is None or found == step]
         problems = []
         for candidate in agreement.common_steps(wanted, self.world_size):
-            error, state, source = None, None, "memory"
+            error, refused, state, source = None, None, None, "memory"
             try:
                 if candidate in in_memory:
                     state = self._read_slot(pool.slots[in_memory[candidate]], candidate, map_location)
                 else:
                     source = "storage"
                     state = self._restore_from_storage(candidate, sizes[candidate], map_location)
+            except UnsupportedState as exc:
+                refused = str(exc)
             except (StowawayError, HeaderError) as exc:
                 error = str(exc)
+            # An older step would be refused for the same reason: every rank raises it instead.
+            for rank, reason in agreement.failed_ranks(refused, self.rank, self.world_size):
+                raise UnsupportedState(f"rank {rank}: {reason}")
             failures = agreement.failed_ranks(error, self.rank, self.world_size)
             if not failures:
                 log.info("rank %d restored step %d from %s", self.rank, candidate, source)

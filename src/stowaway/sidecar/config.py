@@ -22,7 +22,6 @@ class SidecarConfig:
     grace_period: float = 120.0
     commit_poll_interval: float = 0.2
     allowed_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.getuid(), 0}))
-    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if len(os.fsencode(self.socket_path)) >= 108:

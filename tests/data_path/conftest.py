@@ -1,0 +1,59 @@
+"""Fixtures of the data-path tests: short temp dirs, real sidecars, real rank processes."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from data_path.processes import RankProcess, SidecarProcess
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temp dir under /tmp with a short name: Unix socket paths must stay under 108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="sw", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(Path("/dev/shm") / path.name, ignore_errors=True)
+
+
+@pytest.fixture
+def storage(short_tmp: Path) -> Path:
+    return short_tmp / "storage"
+
+
+@pytest.fixture
+def start_sidecar(short_tmp: Path, storage: Path) -> Iterator[Callable[..., SidecarProcess]]:
+    started: list[SidecarProcess] = []
+
+    def start(name: str = "a", extra: list[str] | None = None, storage_dir: Path | None = None) -> SidecarProcess:
+        sidecar = SidecarProcess(short_tmp, storage_dir or storage, name, extra).start()
+        started.append(sidecar)
+        return sidecar
+
+    yield start
+    for sidecar in started:
+        if sidecar.alive():
+            status = sidecar.stop()
+            assert status == 0, f"sidecar {sidecar.name} exited with {status} on SIGTERM:\n{sidecar.log()}"
+
+
+@pytest.fixture
+def start_rank(short_tmp: Path) -> Iterator[Callable[..., RankProcess]]:
+    started: list[RankProcess] = []
+
+    def start(sidecar: SidecarProcess, job: str = "job", rank: int = 0, world_size: int = 1,
+              local_world_size: int | None = None, run_id: str = "test-run") -> RankProcess:
+        env = sidecar.env(job, rank, world_size, local_world_size, run_id)
+        process = RankProcess(env, short_tmp / f"rank-{job}-{rank}-{len(started)}.log")
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.process.poll() is None:
+            process.kill()

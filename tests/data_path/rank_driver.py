@@ -1,0 +1,74 @@
+"""A training rank under the test's control: JSON commands on stdin, JSON replies on stdout.
+
+Each state it saves is predictable from (rank, step), so a test can check any
+stored or restored checkpoint without trusting the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+
+import torch
+
+from stowaway import Checkpointer
+
+
+def pattern(rank: int, step: int) -> float:
+    return float(rank * 1_000_000 + step)
+
+
+def state_for(rank: int, step: int, numel: int) -> dict[str, object]:
+    return {"w": torch.full((numel,), pattern(rank, step), dtype=torch.float64), "step": step, "rank": rank}
+
+
+def main() -> None:
+    ckpt = Checkpointer(timeout=float(os.environ.get("STOWAWAY_TEST_TIMEOUT", "30")))
+    handles = {}
+    reply({"ready": True, "rank": ckpt.rank})
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command["op"]
+        try:
+            if op == "save":
+                handle = ckpt.save(command["step"], state_for(ckpt.rank, command["step"], command.get("numel", 1024)))
+                handles[command["step"]] = handle
+                reply({"saved": command["step"], "blocking": handle.blocking_seconds})
+            elif op == "save_and_die":
+                ckpt.save(command["step"], state_for(ckpt.rank, command["step"], command.get("numel", 1024)))
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif op == "wait":
+                try:
+                    handles[command["step"]].wait(command.get("timeout", 30))
+                    reply({"committed": True})
+                except Exception as exc:
+                    reply({"committed": False, "error": str(exc)})
+            elif op == "done":
+                reply({"done": handles[command["step"]].done()})
+            elif op == "load":
+                found = ckpt.load(command.get("step"))
+                if found is None:
+                    reply({"step": None})
+                else:
+                    step, state = found
+                    expected = pattern(ckpt.rank, step)
+                    intact = bool((state["w"] == expected).all()) and state["step"] == step
+                    reply({"step": step, "intact": intact, "numel": state["w"].numel()})
+            elif op == "exit":
+                ckpt.close()
+                reply({"bye": True})
+                return
+        except Exception as exc:
+            reply({"error": str(exc), "type": type(exc).__name__, "trace": traceback.format_exc()})
+
+
+def reply(message: dict[str, object]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The ``stowaway`` command as a user meets it: help, listings, one-line errors, exit statuses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from stowaway import Checkpointer
+
+
+def stowaway(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stowaway", *args], capture_output=True, text=True, timeout=120,
+                          **kwargs)
+
+
+@pytest.mark.parametrize("command", [[], ["sidecar"], ["run"], ["ls"], ["verify"], ["inspect"]])
+def test_every_command_has_help(command):
+    result = stowaway(*command, "--help")
+    assert result.returncode == 0
+    assert "usage: stowaway" in result.stdout
+
+
+@pytest.fixture
+def saved(start_sidecar, storage):
+    import torch
+
+    sidecar = start_sidecar()
+    with Checkpointer(job="cli", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt:
+        for step in (10, 20):
+            ckpt.save(step, {"layer": {"weight": torch.zeros(3, 4, dtype=torch.bfloat16)}, "count": step}).wait(30)
+    return storage
+
+
+def test_ls_lists_committed_steps_with_ranks_and_sizes(saved):
+    result = stowaway("ls", str(saved))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("job cli")
+    rows = [line.split() for line in lines[2:]]
+    assert [row[0] for row in rows] == ["10", "20"]
+    assert all(row[1] == "1" for row in rows)
+
+
+def test_inspect_shows_tensors_dtypes_and_shapes_per_rank(saved):
+    result = stowaway("inspect", str(saved / "cli"), "--step", "20")
+    assert result.returncode == 0, result.stderr
+    assert "rank 0: rank-00000-of-00001.safetensors" in result.stdout
+    assert any(line.split()[:3] == ["layer.weight", "BF16", "3x4"] for line in result.stdout.splitlines())
+
+
+def test_verify_passes_an_intact_checkpoint(saved):
+    result = stowaway("verify", str(saved))
+    assert result.returncode == 0
+    assert result.stdout.splitlines() == ["step 10: ok", "step 20: ok"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["ls", "/nonexistent/storage"], "stowaway ls: error: /nonexistent/storage is not a directory"),
+        (["inspect", "/tmp", "--step", "1"], "stowaway inspect: error: /tmp holds 0 jobs"),
+        (["sidecar", "--storage", "/tmp/s", "--shm-dir", "/tmp/m", "--socket", "/tmp/" + "x" * 120],
+         "Unix sockets need a path shorter than 108 bytes"),
+        (["run", "--storage", "/tmp/s"], "stowaway run: error: no command given"),
+    ],
+)
+def test_errors_are_one_line_that_says_what_to_do(args, message):
+    result = stowaway(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_run_exits_with_the_commands_status_and_shows_the_checkpoints(short_tmp):
+    result = stowaway("run", "--storage", str(short_tmp / "st"), "--", sys.executable, "-c",
+                      "import os, sys; assert os.environ['STOWAWAY_SOCKET']; sys.exit(3)")
+    assert result.returncode == 3, result.stderr
+    assert "(no committed checkpoint)" in result.stderr

@@ -1,0 +1,229 @@
+"""The failure model of DESIGN §7 that needs no Kubernetes, one test per failure."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from data_path.mounts import tmpfs
+from data_path.processes import wait_for
+from stowaway.protocol import frames
+from stowaway.slots import header, naming
+from stowaway.storage import catalog, layout
+
+BIG = 32 * 2**20  # float64 elements: 256 MiB, so a copy takes long enough to be caught mid-way
+
+
+def step_dir(storage, job, step):
+    return layout.step_dir(storage / job, step)
+
+
+def committed(storage, job, step):
+    return (step_dir(storage, job, step) / layout.MANIFEST).exists()
+
+
+def test_a_rank_killed_mid_write_leaves_a_torn_slot_that_is_never_persisted_or_restored(
+    start_sidecar, start_rank, storage
+):
+    sidecar = start_sidecar()
+    bystander = start_rank(sidecar, job="other")
+    victim = start_rank(sidecar, job="victim")
+    victim.save(1)
+    assert victim.wait(1)["committed"]
+    slots = [naming.slot_path(sidecar.shm_dir, "victim", 0, index) for index in range(2)]
+
+    def states() -> list[header.SlotHeader]:
+        found = []
+        for path in slots:
+            if path.exists():
+                with open(path, "rb") as handle:
+                    found.append(header.read(handle.read(64)))
+        return found
+
+    victim.send(op="save", step=2, numel=BIG)
+    wait_for(lambda: any(s.state is header.SlotState.WRITING for s in states()), "the victim to start writing step 2",
+             interval=0.0005)
+    victim.kill()
+    after = states()
+    assert any(s.state is header.SlotState.WRITING for s in after), "the slot of step 2 must stay torn after the kill"
+    assert not any(s.complete and s.step == 2 for s in after)
+
+    for step in range(1, 6):
+        bystander.save(step)
+        assert bystander.wait(step)["committed"], "other ranks go on while one is killed"
+    assert not step_dir(storage, "victim", 2).exists(), "a torn slot must never be persisted"
+    restarted = start_rank(sidecar, job="victim")
+    restored = restarted.call(op="load")
+    assert restored == {"step": 1, "intact": True, "numel": 1024}
+    restarted.save(3)
+    assert restarted.wait(3)["committed"]
+
+
+def test_a_rank_killed_right_after_persist_still_gets_its_checkpoint_committed(start_sidecar, start_rank, storage):
+    sidecar = start_sidecar()
+    rank = start_rank(sidecar, job="gone")
+    rank.send(op="save_and_die", step=7, numel=2**20)
+    rank.process.wait(timeout=60)
+    assert rank.process.returncode == -signal.SIGKILL
+    wait_for(lambda: committed(storage, "gone", 7), "the dead rank's step 7 to commit")
+    assert catalog.verify_step(storage / "gone", 7) == []
+
+
+def test_a_sidecar_killed_mid_persist_commits_nothing_partial_and_the_next_save_after_restart_commits(
+    start_sidecar, start_rank, storage
+):
+    sidecar = start_sidecar(extra=["--write-rate-limit", str(2**20)])
+    rank = start_rank(sidecar, job="crash")
+    rank.save(1, numel=1024)
+    assert rank.wait(1)["committed"]
+    rank.save(2, numel=2**20)  # 8 MiB at 1 MiB/s: the persist is in flight for seconds
+    partial = step_dir(storage, "crash", 2)
+    wait_for(lambda: partial.exists() and any(p.name.endswith(layout.TMP_SUFFIX) for p in partial.iterdir()),
+             "the persist of step 2 to start writing")
+    sidecar.kill()
+    answer = rank.wait(2)
+    assert not answer["committed"] and "connection to the sidecar was lost" in answer["error"]
+    assert not committed(storage, "crash", 2)
+    assert catalog.committed_steps(storage / "crash") == [1]
+
+    sidecar.extra = []
+    sidecar.start()
+    rank.save(3)
+    assert rank.wait(3)["committed"], "the rank reconnects by itself and its next save commits"
+    assert catalog.committed_steps(storage / "crash") == [1, 3]
+    assert catalog.verify_step(storage / "crash", 3) == []
+
+
+def test_full_storage_fails_the_save_with_the_reason_and_keeps_earlier_checkpoints(
+    start_sidecar, start_rank, short_tmp
+):
+    with tmpfs(short_tmp / "small", "4m") as small:
+        sidecar = start_sidecar(storage_dir=small)
+        rank = start_rank(sidecar, job="full")
+        rank.save(1, numel=1024)
+        assert rank.wait(1)["committed"]
+        rank.save(2, numel=2**20)  # 8 MiB into 4 MiB
+        answer = rank.wait(2)
+        assert not answer["committed"]
+        assert "ENOSPC" in answer["error"] and "earlier checkpoints are untouched" in answer["error"]
+        assert catalog.committed_steps(small / "full") == [1]
+        assert catalog.verify_step(small / "full", 1) == []
+        assert not any(p.name.endswith(layout.TMP_SUFFIX) for p in step_dir(small, "full", 2).iterdir())
+        rank.save(3, numel=1024)
+        assert rank.wait(3)["committed"], "once space is back, saving works again"
+        rank.exit()
+        assert sidecar.stop() == 0
+
+
+def test_a_bit_flip_in_storage_is_found_by_verify_and_load_falls_back_to_the_older_checkpoint(
+    start_sidecar, start_rank, storage
+):
+    sidecar = start_sidecar()
+    rank = start_rank(sidecar, job="flip")
+    for step in (1, 2):
+        rank.save(step)
+        assert rank.wait(step)["committed"]
+    rank.exit()
+    assert sidecar.stop() == 0
+    victim = step_dir(storage, "flip", 2) / layout.rank_file_name(0, 1)
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x10
+    victim.write_bytes(bytes(data))
+
+    verify = subprocess.run([sys.executable, "-m", "stowaway", "verify", str(storage / "flip")],
+                            capture_output=True, text=True)
+    assert verify.returncode == 1
+    assert f"step 2: BAD {victim}: xxh3-64" in verify.stdout
+    assert "step 1: ok" in verify.stdout
+
+    shutil.rmtree(sidecar.shm_dir)  # a rescheduled pod: nothing in shared memory
+    sidecar.start()
+    fresh = start_rank(sidecar, job="flip")
+    assert fresh.call(op="load") == {"step": 1, "intact": True, "numel": 1024}
+    assert "step 2 cannot be restored" in fresh.log_path.read_text()
+    assert "is corrupt" in fresh.log_path.read_text()
+
+
+def raw_connection(sidecar):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(str(sidecar.socket))
+    return sock
+
+
+def read_error(sock) -> str:
+    decoder = frames.FrameDecoder()
+    received = []
+    while chunk := sock.recv(65536):
+        received.extend(decoder.feed(chunk))
+    assert received and received[-1]["type"] == "error", received
+    return received[-1]["reason"]
+
+
+HELLO = {"type": "hello", "protocol": 1, "job": "evil", "rank": 0, "local_rank": 0, "world_size": 1,
+         "local_world_size": 1, "node": "n", "pid": 1}
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"\x00\x00\x00\x05hello", "not UTF-8 JSON"),
+        (struct.pack(">I", 2**31), "exceeds the 65536-byte limit"),
+        (frames.encode({**HELLO, "protocol": 2}), "protocol version 2 is not supported"),
+        (frames.encode({"type": "persist", "run": "r", "step": 1, "slot": 0, "generation": 1, "nbytes": 1,
+                        "blocking_seconds": 0, "slot_wait_seconds": 0}), "expected hello as the first message"),
+        (frames.encode(HELLO) + frames.encode({"type": "persist", "run": "r", "step": 1, "slot": 0, "generation": 1,
+                                               "nbytes": 1, "blocking_seconds": 0, "slot_wait_seconds": 0}),
+         "never registered"),
+        (frames.encode(HELLO) + frames.encode({"type": "register", "slot": 99, "capacity": 1}), "slot index 99"),
+        (frames.encode(HELLO) + frames.encode({"type": "stage", "step": "x", "slot": 0}), "stage.step must be int"),
+    ],
+    ids=["garbage", "oversized", "wrong-version", "out-of-order", "unregistered-slot", "slot-out-of-range",
+         "bad-field"],
+)
+def test_bad_frames_are_refused_with_a_clear_error_while_another_rank_keeps_saving(
+    start_sidecar, start_rank, payload, reason
+):
+    sidecar = start_sidecar()
+    rank = start_rank(sidecar, job="good")
+    rank.save(1)
+    with raw_connection(sidecar) as sock:
+        sock.sendall(payload)
+        assert reason in read_error(sock)
+    rank.save(2)
+    for step in (1, 2):
+        assert rank.wait(step)["committed"]
+    assert sidecar.alive()
+
+
+def test_a_truncated_frame_followed_by_a_hang_up_does_not_disturb_the_sidecar(start_sidecar, start_rank):
+    sidecar = start_sidecar()
+    rank = start_rank(sidecar, job="good")
+    with raw_connection(sidecar) as sock:
+        sock.sendall(frames.encode(HELLO)[:10])
+    rank.save(1)
+    assert rank.wait(1)["committed"]
+    wait_for(lambda: "closed in the middle of a frame" in sidecar.log(), "the sidecar to log the truncation")
+
+
+def test_a_peer_with_another_uid_is_refused(start_sidecar):
+    sidecar = start_sidecar()
+    nobody = 65534
+    probe = (
+        f"import os, socket, sys; os.setgid({nobody}); os.setuid({nobody}); s = socket.socket(socket.AF_UNIX);"
+        "s.connect(sys.argv[1]); print(s.recv(4096)[4:].decode())"
+    )
+    if os.getuid() != 0:
+        pytest.skip("changing to another uid needs root")
+    os.chmod(sidecar.socket.parent, 0o777)
+    os.chmod(sidecar.socket, 0o777)
+    answer = subprocess.run([sys.executable, "-c", probe, str(sidecar.socket)], capture_output=True, text=True,
+                            timeout=60)
+    assert f"uid {nobody} may not use this sidecar" in answer.stdout, answer.stderr

@@ -1,0 +1,50 @@
+"""Two sidecars ("nodes") sharing one storage: a checkpoint commits only when all ranks are durable."""
+
+from __future__ import annotations
+
+from data_path.processes import wait_for
+from stowaway.storage import catalog, layout, manifest
+
+
+def test_the_checkpoint_commits_only_when_every_rank_on_every_node_is_durable(start_sidecar, start_rank, storage):
+    node_a = start_sidecar("a")
+    node_b = start_sidecar("b")
+    ranks = [start_rank(node_a if rank < 2 else node_b, job="multi", rank=rank, world_size=4, local_world_size=2)
+             for rank in range(4)]
+    step_path = layout.step_dir(storage / "multi", 1)
+
+    for rank in ranks[:3]:
+        rank.save(1)
+    wait_for(lambda: (step_path / layout.receipt_name("a")).exists(), "node a's receipt for its two ranks")
+    wait_for(lambda: (step_path / layout.rank_file_name(2, 4)).exists(), "rank 2's durable file on node b")
+    assert not (step_path / layout.receipt_name("b")).exists(), "node b still misses rank 3"
+    assert not (step_path / layout.MANIFEST).exists()
+    assert not any(rank.done(1) for rank in ranks[:3]), "three of four ranks must not commit"
+
+    ranks[3].save(1)
+    for rank in ranks:
+        assert rank.wait(1)["committed"]
+    found = manifest.read_manifest(step_path)
+    assert found.world_size == 4 and found.nodes == ["a", "b"]
+    assert [entry.rank for entry in found.files] == [0, 1, 2, 3]
+    assert catalog.verify_step(storage / "multi", 1) == []
+
+    for step in (2, 3):
+        for rank in ranks:
+            rank.save(step)
+        for rank in ranks:
+            assert rank.wait(step)["committed"]
+    for rank in ranks:
+        assert rank.call(op="load") == {"step": 3, "intact": True, "numel": 1024}
+
+
+def test_a_node_that_never_reports_fails_the_step_with_a_commit_timeout(start_sidecar, start_rank, storage):
+    node_a = start_sidecar("a", extra=["--commit-timeout", "2"])
+    ranks = [start_rank(node_a, job="lonely", rank=rank, world_size=4, local_world_size=2) for rank in range(2)]
+    for rank in ranks:
+        rank.save(1)
+    for rank in ranks:
+        answer = rank.wait(1, timeout=30)
+        assert not answer["committed"]
+        assert "commit of step 1 timed out after 2 s waiting for receipts of ranks 2, 3" in answer["error"]
+    assert not (layout.step_dir(storage / "lonely", 1) / layout.MANIFEST).exists()

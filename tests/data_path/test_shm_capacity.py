@@ -1,0 +1,38 @@
+"""A too-small /dev/shm is reported before anything is written, with the setting to raise."""
+
+from __future__ import annotations
+
+import pytest
+
+from data_path.mounts import tmpfs
+from stowaway import Checkpointer, ShmCapacityError
+from stowaway.slots import naming
+
+
+def test_a_too_small_shared_memory_gives_the_documented_error_before_writing(start_sidecar, short_tmp):
+    import torch
+
+    with tmpfs(short_tmp / "shm", "8m") as shm:
+        sidecar = start_sidecar(extra=["--shm-dir", str(shm)])
+        with Checkpointer(job="tiny", socket=sidecar.socket, rank=0, world_size=2, local_world_size=2,
+                          timeout=5) as ckpt:
+            with pytest.raises(ShmCapacityError) as raised:
+                ckpt.save(1, {"w": torch.zeros(2**20)})  # 4 MiB per slot, 2 slots, 2 local ranks: 16 MiB
+            message = str(raised.value)
+            assert f"shared memory at {shm} is too small" in message
+            assert "2 local rank(s) need 16.0 MiB" in message
+            assert "spec.sharedMemory.sizeLimit" in message
+            assert list(shm.glob(naming.job_slot_glob("tiny"))) == [], "nothing may be written"
+            handle = ckpt.save(2, {"w": torch.zeros(2**18)})  # 1 MiB per slot fits
+            assert list(shm.glob(naming.job_slot_glob("tiny")))
+            assert not handle.done() or handle.committed
+
+
+def test_the_shared_memory_check_counts_what_this_job_already_holds(start_sidecar, short_tmp):
+    import torch
+
+    with tmpfs(short_tmp / "shm", "16m") as shm:
+        sidecar = start_sidecar(extra=["--shm-dir", str(shm)])
+        with Checkpointer(job="regrow", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt:
+            for step in range(4):
+                ckpt.save(step, {"w": torch.zeros(2**20)}).wait(30)  # 2 x 4 MiB slots, reused, not re-counted

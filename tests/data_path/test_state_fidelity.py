@@ -1,0 +1,165 @@
+"""What goes into save() comes out of load(): values, dtypes, shapes, Python types, aliasing.
+
+Checked through both restore paths: from the sidecar's shared memory (a
+training process restarting in the same pod) and from storage (a pod
+rescheduled onto a fresh node: new sidecar, empty shared memory).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from stowaway import Checkpointer, UnsupportedState
+
+
+@pytest.fixture(autouse=True)
+def _client_log(caplog):
+    caplog.set_level("INFO", logger="stowaway")
+
+
+def real_training_state() -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 16, bias=False))
+    model[3].weight = model[0].weight
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(adamw, max_lr=0.01, total_steps=10)
+    model(torch.randint(0, 16, (4, 3))).sum().backward()
+    adamw.step()
+    sgd.step()
+    scheduler.step()
+    scaler = torch.amp.GradScaler("cpu")
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return {
+        "model": model.state_dict(),
+        "adamw": adamw.state_dict(),
+        "sgd": sgd.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        "dtypes": {
+            "bf16": torch.randn(3, 2).to(torch.bfloat16),
+            "fp16": torch.randn(5).to(torch.float16),
+            "fp8_e4m3": torch.randn(4).to(torch.float8_e4m3fn),
+            "fp8_e5m2": torch.randn(4).to(torch.float8_e5m2),
+            "int8": torch.tensor([-3, 7], dtype=torch.int8),
+            "int64": torch.tensor([2**62, -1]),
+            "uint8": torch.tensor([255, 0], dtype=torch.uint8),
+            "bool": torch.tensor([True, False, True]),
+            "f64": torch.tensor([1e-300, float("inf")], dtype=torch.float64),
+        },
+        "zero_d": torch.tensor(3.25),
+        "empty": torch.empty(0, 5),
+        "transposed": base.t(),
+        "strided": base[::2, 1::3],
+        "tied_views": (base, base),
+        "python": {"int": 7, "float": 0.1, "nan": float("nan"), "inf": float("-inf"), "none": None, "s": "é",
+                   "bool": True, "list": [1, [2, (3, "x")]], "tuple": (1.5, None), 5: "int key",
+                   "big": 2**70, "size": torch.Size([3, 4]), "dtype": torch.bfloat16},
+        "ordered": OrderedDict([("b", 1), ("a", torch.ones(2))]),
+        "array": np.arange(6, dtype=np.int16).reshape(2, 3),
+    }
+
+
+def assert_same(restored, original, path="state"):
+    assert type(restored) is type(original), f"{path}: {type(restored)} is not {type(original)}"
+    if isinstance(original, torch.Tensor):
+        assert restored.dtype == original.dtype and restored.shape == original.shape, path
+        assert torch.equal(restored.view(torch.uint8) if original.element_size() == 1 else restored,
+                           original.view(torch.uint8) if original.element_size() == 1 else original) or (
+            original.is_floating_point() and torch.equal(restored.isnan(), original.isnan())
+        ), path
+        assert restored.is_contiguous(), path
+    elif isinstance(original, np.ndarray):
+        assert restored.dtype == original.dtype and np.array_equal(restored, original), path
+    elif isinstance(original, dict):
+        assert list(restored) == list(original), path
+        for key in original:
+            assert_same(restored[key], original[key], f"{path}[{key!r}]")
+        assert getattr(restored, "_metadata", None) == getattr(original, "_metadata", None), path
+    elif isinstance(original, list | tuple):
+        assert len(restored) == len(original), path
+        for index, (a, b) in enumerate(zip(restored, original, strict=True)):
+            assert_same(a, b, f"{path}[{index}]")
+    elif isinstance(original, float) and original != original:
+        assert restored != restored, path
+    else:
+        assert restored == original, path
+
+
+def assert_aliasing(restored):
+    model = restored["model"]
+    assert model["3.weight"] is model["0.weight"], "tied embedding/head weights must come back as one tensor"
+    assert restored["tied_views"][0] is restored["tied_views"][1]
+
+
+@pytest.fixture
+def original():
+    return real_training_state()
+
+
+def test_restore_from_shared_memory_returns_the_same_state(start_sidecar, original, caplog):
+    sidecar = start_sidecar()
+    with Checkpointer(job="fidelity", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as writer:
+        writer.save(3, original).wait(30)
+    with Checkpointer(job="fidelity", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as reader:
+        step, restored = reader.load()
+    assert step == 3
+    assert_same(restored, original)
+    assert_aliasing(restored)
+    assert "restored step 3 from memory" in caplog.text
+
+
+def test_restore_from_storage_after_a_reschedule_returns_the_same_state(start_sidecar, original, caplog):
+    first = start_sidecar("first")
+    with Checkpointer(job="fidelity", socket=first.socket, rank=0, world_size=1, timeout=30) as writer:
+        writer.save(5, original).wait(30)
+    assert first.stop() == 0
+    shutil.rmtree(first.shm_dir)
+    second = start_sidecar("second")
+    with Checkpointer(job="fidelity", socket=second.socket, rank=0, world_size=1, timeout=30) as reader:
+        step, restored = reader.load()
+    assert step == 5
+    assert_same(restored, original)
+    assert_aliasing(restored)
+    assert "restored step 5 from storage" in caplog.text
+
+
+def test_the_stored_file_is_a_valid_safetensors_file(start_sidecar, storage, original):
+    from safetensors.torch import load_file
+
+    sidecar = start_sidecar()
+    with Checkpointer(job="fidelity", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as writer:
+        writer.save(1, original).wait(30)
+    loaded = load_file(storage / "fidelity" / "step-000000000001" / "rank-00000-of-00001.safetensors")
+    assert torch.equal(loaded["model.0.weight"], original["model"]["0.weight"])
+    assert torch.equal(loaded["transposed"], original["transposed"])
+
+
+def test_objects_without_a_safe_encoding_are_refused_with_their_path(start_sidecar):
+    sidecar = start_sidecar()
+    with Checkpointer(job="fidelity", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt:
+        with pytest.raises(UnsupportedState, match=r"state\['extra'\]\['fn'\] is a builtins.function"):
+            ckpt.save(1, {"extra": {"fn": lambda: 1}})
+        with pytest.raises(UnsupportedState, match=r"layout torch\.sparse_coo"):
+            ckpt.save(1, {"sparse": torch.eye(3).to_sparse()})
+
+
+def test_pickled_objects_need_an_opt_in_on_both_sides(start_sidecar):
+    sidecar = start_sidecar()
+    with Checkpointer(job="pickle", socket=sidecar.socket, rank=0, world_size=1, timeout=30,
+                      allow_pickle=True) as ckpt:
+        ckpt.save(1, {"obj": {1, 2, 3}}).wait(30)
+        assert ckpt.load()[1] == {"obj": {1, 2, 3}}
+    with (
+        Checkpointer(job="pickle", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt,
+        pytest.raises(UnsupportedState, match="allow_pickle=True"),
+    ):
+        ckpt.load()

@@ -1,0 +1,1 @@
+"""Kubernetes control plane for the test suite, and the tests proving it is real."""
