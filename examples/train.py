@@ -104,7 +104,7 @@ def main() -> None:
                 print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
         committed = []
         for handle in handles:
-            handle.wait(timeout=ckpt.timeout)
+            handle.wait()
             committed.append(handle.step)
         report(ckpt.blocking_seconds, committed, rank)
     dist.destroy_process_group()

@@ -37,9 +37,11 @@ def main() -> None:
                 committed.append(handle.step)
             except Exception as exc:
                 failed.append([handle.step, str(exc)])
+        in_flight = ckpt.slots_in_flight
         print(json.dumps({
             "rank": rank, "saves": len(handles), "committed": committed, "failed": failed,
             "slot_waits": sum(1 for wait in ckpt.slot_wait_seconds if wait > 0.0005),
+            "slots_in_flight": in_flight,
         }), flush=True)
 
 

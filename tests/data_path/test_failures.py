@@ -227,3 +227,36 @@ def test_a_peer_with_another_uid_is_refused(start_sidecar):
     answer = subprocess.run([sys.executable, "-c", probe, str(sidecar.socket)], capture_output=True, text=True,
                             timeout=60)
     assert f"uid {nobody} may not use this sidecar" in answer.stdout, answer.stderr
+
+
+def test_read_only_storage_fails_the_save_with_the_reason_and_keeps_earlier_checkpoints(
+    start_sidecar, start_rank, short_tmp
+):
+    with tmpfs(short_tmp / "ro", "16m") as volume:
+        sidecar = start_sidecar(storage_dir=volume)
+        rank = start_rank(sidecar, job="ro")
+        rank.save(1)
+        assert rank.wait(1)["committed"]
+        subprocess.run(["mount", "-o", "remount,ro", str(volume)], check=True)
+        rank.save(2)
+        answer = rank.wait(2)
+        assert not answer["committed"]
+        assert "EROFS" in answer["error"] and "mount it read-write" in answer["error"]
+        assert catalog.committed_steps(volume / "ro") == [1]
+        assert catalog.verify_step(volume / "ro", 1) == []
+        rank.exit()
+        assert sidecar.stop() == 0
+
+
+def test_sigterm_lets_an_in_flight_persist_finish_and_commit_before_the_sidecar_exits(
+    start_sidecar, start_rank, storage
+):
+    sidecar = start_sidecar(extra=["--write-rate-limit", str(4 * 2**20), "--grace-period", "60"])
+    rank = start_rank(sidecar, job="term")
+    rank.save(1, numel=2**20)  # 8 MiB at 4 MiB/s
+    partial = step_dir(storage, "term", 1)
+    wait_for(lambda: partial.exists() and any(p.name.endswith(layout.TMP_SUFFIX) for p in partial.iterdir()),
+             "the persist of step 1 to start writing")
+    assert sidecar.stop() == 0
+    assert rank.wait(1)["committed"], "the persist in flight at SIGTERM must still commit"
+    assert catalog.verify_step(storage / "term", 1) == []

@@ -46,6 +46,7 @@ def test_eight_ranks_saving_faster_than_storage_never_tear_or_hang(start_sidecar
     for report in reports:
         assert report["failed"] == [], report["failed"][:3]
         assert report["committed"] == list(range(SAVES_PER_RANK))
+        assert report["slots_in_flight"] == 0, "every persist must have been answered, releasing its slot"
     assert sum(report["slot_waits"] for report in reports) > 0, "storage was not slower than saving: no slot waits"
 
     job = storage / "race"

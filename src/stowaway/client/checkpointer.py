@@ -119,7 +119,7 @@ class Checkpointer:
         codec.write_into(encoded, slot.payload())
         header.finish_write(slot.file.header_view, step, generation, encoded.nbytes)
         blocking = time.perf_counter() - started
-        handle = SaveHandle(step, self.rank, blocking, slot_wait)
+        handle = SaveHandle(step, self.rank, blocking, slot_wait, self.timeout)
         request = {
             "type": "persist", "run": run, "step": step, "slot": slot.index, "generation": generation,
             "nbytes": encoded.nbytes, "blocking_seconds": blocking, "slot_wait_seconds": slot_wait,
@@ -180,6 +180,12 @@ class Checkpointer:
             detail = "; ".join(problems) or "it is not committed in storage"
             raise SaveFailed(f"rank {self.rank}: step {step} of job {self.job} cannot be restored: {detail}")
         return None
+
+    @property
+    def slots_in_flight(self) -> int:
+        """Slots this rank has handed to the sidecar and not yet got back."""
+        with self._cond:
+            return 0 if self._pool is None else sum(slot.owner is not Owner.RANK for slot in self._pool.slots)
 
     def close(self) -> None:
         """Wait (bounded by the timeout) for saves in flight to be answered, then disconnect."""

@@ -11,14 +11,17 @@ class SaveHandle:
     """Returned by ``Checkpointer.save`` once the state is in shared memory.
 
     ``wait()`` returns when the checkpoint of this step is committed in
-    storage, or raises ``SaveFailed`` with the sidecar's reason.
+    storage, or raises ``SaveFailed`` with the sidecar's reason. Without an
+    argument it waits at most the checkpointer's timeout: no wait is unbounded.
     """
 
-    def __init__(self, step: int, rank: int, blocking_seconds: float, slot_wait_seconds: float) -> None:
+    def __init__(self, step: int, rank: int, blocking_seconds: float, slot_wait_seconds: float,
+                 default_timeout: float) -> None:
         self.step = step
         self.rank = rank
         self.blocking_seconds = blocking_seconds
         self.slot_wait_seconds = slot_wait_seconds
+        self._default_timeout = default_timeout
         self._done = threading.Event()
         self._error: str | None = None
 
@@ -30,6 +33,7 @@ class SaveHandle:
         return self._done.is_set() and self._error is None
 
     def wait(self, timeout: float | None = None) -> None:
+        timeout = self._default_timeout if timeout is None else timeout
         if not self._done.wait(timeout):
             raise SaveFailed(
                 f"rank {self.rank}: step {self.step} was not committed within {timeout} s; "
