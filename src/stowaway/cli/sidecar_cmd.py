@@ -37,6 +37,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="on SIGTERM, how long in-flight persists may take to finish")
     parser.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                         help="also accept ranks running as this uid (the sidecar's uid and root always are)")
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                        help="serve /metrics (Prometheus), /healthz and /readyz over HTTP on this port (0: off)")
+    parser.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDRESS",
+                        help="address the metrics port listens on (default: all interfaces, for a pod's scraper)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.set_defaults(handler=run)
 
@@ -51,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
             persist_workers=args.persist_workers, write_rate_limit=args.write_rate_limit,
             grace_period=args.grace_period,
             commit_poll_interval=args.commit_poll_interval,
+            metrics_port=args.metrics_port, metrics_address=args.metrics_address,
             allowed_uids=frozenset({os.getuid(), 0, *args.allow_uid}), **extra,
         )
     except ValueError as exc:

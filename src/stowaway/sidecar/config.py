@@ -22,6 +22,8 @@ class SidecarConfig:
     grace_period: float = 120.0
     commit_poll_interval: float = 0.2
     allowed_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.getuid(), 0}))
+    metrics_port: int = 0
+    metrics_address: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         if len(os.fsencode(self.socket_path)) >= 108:
@@ -35,5 +37,7 @@ class SidecarConfig:
             raise ValueError(f"--keep-every must be 0 (off) or positive, got {self.keep_every}")
         if self.persist_workers < 1:
             raise ValueError(f"--persist-workers must be at least 1, got {self.persist_workers}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be 0 (off) or a TCP port up to 65535, got {self.metrics_port}")
         if self.commit_timeout <= 0 or self.grace_period < 0:
             raise ValueError("--commit-timeout must be positive and --grace-period not negative")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from stowaway.sidecar.commit import Committer
 from stowaway.sidecar.config import SidecarConfig
+from stowaway.sidecar.endpoints import Endpoints
 from stowaway.sidecar.pipeline import SavePipeline
 from stowaway.sidecar.ranks import Registry
 from stowaway.sidecar.session import Session
@@ -27,6 +28,7 @@ from stowaway.sidecar.stats import Stats
 
 log = logging.getLogger(__name__)
 _PEERCRED = struct.Struct("3i")
+_PROBE_TIMEOUT = 2.0
 
 
 class SidecarError(Exception):
@@ -38,10 +40,12 @@ class Sidecar:
         self.config = config
         self.stats = stats or Stats()
         self.registry = Registry()
+        self.stats.watch(self.registry.connected, self.registry.in_flight)
         self.committer = Committer(config, self.registry, self.stats)
         self.pipeline: SavePipeline
         self._stop = asyncio.Event()
         self._sessions: set[asyncio.Task[None]] = set()
+        self._server: asyncio.base_events.Server | None = None
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -49,18 +53,50 @@ class Sidecar:
     async def serve(self) -> None:
         self.pipeline = SavePipeline(self.config, self.committer, self.stats)
         self._prepare_directories()
-        server = await self._listen()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, self.request_stop)
-        log.info(
-            "sidecar ready: socket %s, shared memory %s, storage %s, node %s",
-            self.config.socket_path, self.config.shm_dir, self.config.storage, self.config.node,
-        )
+        endpoints = await self._start_endpoints()
         try:
-            await self._stop.wait()
+            self._server = server = await self._listen()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, self.request_stop)
+            log.info(
+                "sidecar ready: socket %s, shared memory %s, storage %s, node %s",
+                self.config.socket_path, self.config.shm_dir, self.config.storage, self.config.node,
+            )
+            try:
+                await self._stop.wait()
+            finally:
+                await self._shutdown(server)
         finally:
-            await self._shutdown(server)
+            # Last to go, so that a scrape can watch the drain.
+            if endpoints is not None:
+                endpoints.close()
+
+    async def _start_endpoints(self) -> asyncio.base_events.Server | None:
+        address, port = self.config.metrics_address, self.config.metrics_port
+        if port == 0:
+            return None
+        try:
+            server = await Endpoints(self.stats.metrics.exposition, self.readiness).start(address, port)
+        except OSError as exc:
+            raise SidecarError(
+                f"cannot serve metrics on {address}:{port}: {exc.strerror}; choose another --metrics-port "
+                "or 0 to turn the endpoints off"
+            ) from exc
+        log.info("serving /metrics, /healthz and /readyz on %s:%d", address, port)
+        return server
+
+    async def readiness(self) -> str | None:
+        """Why ranks cannot be served right now, or None: the socket listens and storage is writable."""
+        if self._server is None or not self._server.is_serving():
+            return f"not listening on {self.config.socket_path}"
+        storage = self.config.storage
+        try:
+            # A hung network filesystem must not stall the event loop, only this probe.
+            writable = await asyncio.wait_for(asyncio.to_thread(os.access, storage, os.W_OK), _PROBE_TIMEOUT)
+        except TimeoutError:
+            return f"storage {storage} did not answer within {_PROBE_TIMEOUT:.0f} s"
+        return None if writable else f"storage {storage} is not writable"
 
     def _prepare_directories(self) -> None:
         for directory in (self.config.socket_path.parent, self.config.shm_dir):
@@ -98,12 +134,10 @@ class Sidecar:
         task = asyncio.current_task()
         assert task is not None
         self._sessions.add(task)
-        self.stats.ranks_connected = self.registry.connected() + 1
         try:
             await session.run()
         finally:
             self._sessions.discard(task)
-            self.stats.ranks_connected = self.registry.connected()
 
     async def _shutdown(self, server: asyncio.base_events.Server) -> None:
         server.close()

@@ -1,60 +1,71 @@
 """The one place the sidecar reports what it measured.
 
-Handlers call these methods and nothing else; the metrics exporter (a later
-layer) reads from here, so no handler knows about Prometheus.
+Handlers call these methods and nothing else; each call feeds the Prometheus
+series (``metrics``) at once, and a few running totals are kept for the log
+line at shutdown. Nothing grows with the number of saves: a daemon that lives
+for weeks must not keep every measurement.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+
+from stowaway.sidecar.metrics import SidecarMetrics
 
 
-@dataclass
 class Stats:
-    persists: int = 0
-    persisted_bytes: int = 0
-    commits: int = 0
-    last_committed_step: int = -1
-    last_commit_unix: float = 0.0
-    failures: Counter[str] = field(default_factory=Counter)
-    blocking_seconds: list[float] = field(default_factory=list)
-    slot_wait_seconds: list[float] = field(default_factory=list)
-    persist_seconds: list[float] = field(default_factory=list)
-    commit_seconds: list[float] = field(default_factory=list)
-    ranks_connected: int = 0
-    slots_in_flight: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    def __init__(self, metrics: SidecarMetrics | None = None) -> None:
+        self.metrics = metrics if metrics is not None else SidecarMetrics()
+        self._lock = threading.Lock()
+        self._persists = 0
+        self._persisted_bytes = 0
+        self._commits = 0
+        self._last_committed_step = -1
+        self._failures: Counter[str] = Counter()
+
+    def watch(self, ranks_connected: Callable[[], int], slots_in_flight: Callable[[], int]) -> None:
+        """Report these two gauges by asking the callables at scrape time."""
+        self.metrics.watch(ranks_connected, slots_in_flight)
 
     def save_reported(self, blocking: float, slot_wait: float) -> None:
-        with self._lock:
-            self.blocking_seconds.append(blocking)
-            self.slot_wait_seconds.append(slot_wait)
+        """A rank's own measurement of one save; untrusted input, so nonsense is dropped."""
+        if _duration(blocking) and _duration(slot_wait):
+            self.metrics.save_blocking.observe(blocking)
+            self.metrics.slot_wait.observe(slot_wait)
 
     def persist_finished(self, nbytes: int, seconds: float) -> None:
+        self.metrics.persist_duration.observe(seconds)
+        self.metrics.persisted_bytes.inc(nbytes)
         with self._lock:
-            self.persists += 1
-            self.persisted_bytes += nbytes
-            self.persist_seconds.append(seconds)
+            self._persists += 1
+            self._persisted_bytes += nbytes
 
     def committed(self, step: int, seconds: float, when: float) -> None:
+        self.metrics.commit_duration.observe(seconds)
         with self._lock:
-            self.commits += 1
-            self.last_committed_step = max(self.last_committed_step, step)
-            self.last_commit_unix = when
-            self.commit_seconds.append(seconds)
+            self._commits += 1
+            self._last_committed_step = max(self._last_committed_step, step)
+            self.metrics.last_committed_step.set(self._last_committed_step)
+            self.metrics.last_commit_timestamp.set(when)
 
     def failed(self, reason: str) -> None:
+        self.metrics.failed(reason)
         with self._lock:
-            self.failures[reason] += 1
+            self._failures[reason] += 1
 
     def summary(self) -> dict[str, object]:
         with self._lock:
             return {
-                "persists": self.persists,
-                "persisted_bytes": self.persisted_bytes,
-                "commits": self.commits,
-                "last_committed_step": self.last_committed_step,
-                "failures": dict(self.failures),
+                "persists": self._persists,
+                "persisted_bytes": self._persisted_bytes,
+                "commits": self._commits,
+                "last_committed_step": self._last_committed_step,
+                "failures": dict(self._failures),
             }
+
+
+def _duration(value: float) -> bool:
+    return math.isfinite(value) and value >= 0

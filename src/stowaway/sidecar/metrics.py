@@ -1,0 +1,120 @@
+"""The sidecar's Prometheus series; the only module that imports ``prometheus_client``.
+
+Every series lives in a registry of its own (never the library's global one), so
+two sidecars in one process, or a test, cannot see each other's numbers.
+
+Labels are bounded on purpose: a failure's ``reason`` comes from a fixed list,
+and there is no step, rank, path or job label. A sidecar serves the ranks of
+one pod; which job and pod it belongs to is what Prometheus's target labels
+(namespace, pod, job) already say.
+
+Throughput has no series of its own: ``stowaway_persisted_bytes_total`` divided
+by ``stowaway_persist_duration_seconds_sum`` (both as ``rate``) is the
+bytes-weighted write speed, exact and summable over sidecars; a histogram of
+per-persist bytes/second would weigh a 1 KiB persist like a 10 GiB one and its
+quantiles could not be added up across pods.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+# 1 ms (a save that only copies into warm shared memory) to 30 min (a commit of a huge
+# multi-node checkpoint on slow shared storage), roughly 1-2.5-5 per decade.
+BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0,
+)
+
+# Every ``kind`` a PersistError, a commit failure or a session may report.
+FAILURE_REASONS = (
+    "storage_full", "storage_read_only", "storage_io", "slot_invalid", "slot_overwritten", "commit_timeout",
+    "protocol", "peer_refused", "internal", "restore_missing", "restore_slot_small", "restore_io",
+    "restore_corrupt",
+)
+
+
+class SidecarMetrics:
+    """The series one sidecar exports, created in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.save_blocking = Histogram(
+            "stowaway_save_blocking_seconds",
+            "Time save() blocked the training loop, as measured by each rank (slot wait and copy).",
+            buckets=BUCKETS, registry=r,
+        )
+        self.slot_wait = Histogram(
+            "stowaway_save_slot_wait_seconds",
+            "Part of the blocking time a rank waited for a free slot because persisting lagged behind.",
+            buckets=BUCKETS, registry=r,
+        )
+        self.persist_duration = Histogram(
+            "stowaway_persist_duration_seconds",
+            "Time from starting to copy a slot to storage until its file was durable.",
+            buckets=BUCKETS, registry=r,
+        )
+        self.commit_duration = Histogram(
+            "stowaway_commit_duration_seconds",
+            "Time from a step's first persist on this node until its manifest was committed.",
+            buckets=BUCKETS, registry=r,
+        )
+        self.persisted_bytes = Counter(
+            "stowaway_persisted_bytes", "Bytes written durably to storage.", registry=r,
+        )
+        self.failures = Counter(
+            "stowaway_failures", "Failed saves, restores and refused connections, by reason.",
+            ["reason"], registry=r,
+        )
+        for reason in FAILURE_REASONS:
+            self.failures.labels(reason)
+        self.last_committed_step = Gauge(
+            "stowaway_last_committed_step", "Highest step this sidecar saw committed; -1 before the first.",
+            registry=r,
+        )
+        self.last_committed_step.set(-1)
+        self.last_commit_timestamp = Gauge(
+            "stowaway_last_commit_timestamp_seconds",
+            "Unix time of the last commit this sidecar saw; 0 before the first.", registry=r,
+        )
+
+    def failed(self, reason: str) -> None:
+        if reason not in FAILURE_REASONS:
+            log.warning("failure reason %r is not a known metric label; counted as internal", reason)
+            reason = "internal"
+        self.failures.labels(reason).inc()
+
+    def watch(self, ranks_connected: Callable[[], int], slots_in_flight: Callable[[], int]) -> None:
+        """Export two gauges read at scrape time from whoever knows them (the rank registry)."""
+        self.registry.register(_LiveGauges(ranks_connected, slots_in_flight))
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text a scrape gets, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _LiveGauges(Collector):
+    """Reads the values when scraped, so they cannot drift from the registry they describe."""
+
+    def __init__(self, ranks_connected: Callable[[], int], slots_in_flight: Callable[[], int]) -> None:
+        self._ranks_connected = ranks_connected
+        self._slots_in_flight = slots_in_flight
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "stowaway_ranks_connected", "Ranks with an open connection to this sidecar.",
+            value=self._ranks_connected(),
+        )
+        yield GaugeMetricFamily(
+            "stowaway_slots_in_flight", "Slots the sidecar owns right now (being persisted or staged).",
+            value=self._slots_in_flight(),
+        )

@@ -1,0 +1,50 @@
+"""The Grafana dashboard cannot silently go blank: every query is valid and names real series."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from metrics import dashboard
+from metrics.promtools import binary, http_get, sample_names
+
+
+def test_the_dashboard_has_a_stable_uid_and_datasource_namespace_and_job_variables() -> None:
+    board = dashboard.load()
+    assert board["uid"] == "stowaway-checkpoints"
+    variables = {variable["name"]: variable for variable in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert {"namespace", "job"} <= set(variables)
+    titles = {panel["title"] for panel in dashboard.panels(board)}
+    assert {"Save blocking time", "Persist time", "Commit time", "Throughput", "Slot wait", "Failures by reason",
+            "Age of the last committed checkpoint", "Ranks connected", "Slots in flight"} <= titles
+
+
+def test_every_panel_query_filters_by_namespace_and_job() -> None:
+    board = dashboard.load()
+    for panel in dashboard.panels(board):
+        for target in panel.get("targets", []):
+            for series in dashboard.SERIES.finditer(target["expr"]):
+                assert target["expr"][series.end():].startswith('{namespace=~"$namespace", job=~"$job"}'), (
+                    f"{panel['title']}: {series.group()} is not filtered by the variables: {target['expr']}"
+                )
+
+
+def test_every_query_names_only_series_a_real_sidecar_exposes(metrics_sidecar) -> None:
+    exposed = sample_names(http_get(f"{metrics_sidecar.url}/metrics").body)
+    for where, expr in dashboard.queries(dashboard.load()):
+        named = set(dashboard.SERIES.findall(expr))
+        assert named, f"{where} names no stowaway series: {expr}"
+        assert named <= exposed, f"{where} uses {sorted(named - exposed)}, which the sidecar does not expose"
+
+
+def test_every_query_is_valid_promql_for_promtool(tmp_path) -> None:
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query_{index}", "expr": dashboard.with_all_selected(expr)}
+        for index, (_, expr) in enumerate(dashboard.queries(dashboard.load()))
+    ]}]}
+    path = tmp_path / "rules.yml"
+    path.write_text(json.dumps(rules))  # JSON is YAML
+    check = subprocess.run([binary("promtool"), "check", "rules", str(path)], capture_output=True, text=True,
+                           timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -1,0 +1,117 @@
+"""The exporter with a private registry: what each Stats call puts into which series."""
+
+from __future__ import annotations
+
+import ast
+import errno
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from metrics.promtools import sample_names, samples
+from stowaway.sidecar import metrics as sidecar_metrics
+from stowaway.sidecar.metrics import BUCKETS, FAILURE_REASONS, SidecarMetrics
+from stowaway.sidecar.persister import classify
+from stowaway.sidecar.stats import Stats
+
+SIDECAR_SOURCE = Path(sidecar_metrics.__file__).parent
+# Where a failure kind is passed: the callee's name and the argument's position.
+KIND_ARGUMENT = {"PersistError": 0, "failed": 0, "fail": 2, "_answer_failure": 3}
+
+
+def scrape(stats: Stats) -> dict[str, float]:
+    body, _ = stats.metrics.exposition()
+    return samples(body.decode())
+
+
+def fresh() -> Stats:
+    return Stats(SidecarMetrics(CollectorRegistry()))
+
+
+def test_a_fresh_exporter_reports_no_commit_yet_and_zero_failures_for_every_reason() -> None:
+    found = scrape(fresh())
+    assert found["stowaway_last_committed_step"] == -1
+    assert found["stowaway_last_commit_timestamp_seconds"] == 0
+    for reason in FAILURE_REASONS:
+        assert found[f'stowaway_failures_total{{reason="{reason}"}}'] == 0
+
+
+def test_each_stats_call_feeds_its_series() -> None:
+    stats = fresh()
+    stats.save_reported(blocking=0.003, slot_wait=0.0)
+    stats.save_reported(blocking=0.2, slot_wait=0.15)
+    stats.persist_finished(nbytes=4096, seconds=0.04)
+    stats.committed(step=7, seconds=0.5, when=1_700_000_000.0)
+    stats.committed(step=5, seconds=0.6, when=1_700_000_001.0)
+    stats.failed("storage_full")
+    found = scrape(stats)
+    assert found["stowaway_save_blocking_seconds_count"] == 2
+    assert found["stowaway_save_blocking_seconds_sum"] == 0.203
+    assert found['stowaway_save_blocking_seconds_bucket{le="0.005"}'] == 1
+    assert found['stowaway_save_slot_wait_seconds_bucket{le="0.25"}'] == 2
+    assert found["stowaway_persist_duration_seconds_count"] == 1
+    assert found["stowaway_persisted_bytes_total"] == 4096
+    assert found["stowaway_commit_duration_seconds_count"] == 2
+    assert found["stowaway_last_committed_step"] == 7, "a late commit of an older step must not move it back"
+    assert found["stowaway_last_commit_timestamp_seconds"] == 1_700_000_001.0
+    assert found['stowaway_failures_total{reason="storage_full"}'] == 1
+    assert stats.summary() == {"persists": 1, "persisted_bytes": 4096, "commits": 2, "last_committed_step": 7,
+                               "failures": {"storage_full": 1}}
+
+
+def test_an_unknown_failure_reason_is_counted_as_internal_so_the_label_set_stays_bounded() -> None:
+    stats = fresh()
+    stats.failed("something new")
+    found = scrape(stats)
+    assert found['stowaway_failures_total{reason="internal"}'] == 1
+    assert not any("something new" in series for series in found)
+
+
+def test_nonsense_durations_sent_by_a_rank_are_dropped() -> None:
+    stats = fresh()
+    for blocking, slot_wait in ((-1.0, 0.0), (float("nan"), 0.0), (0.1, float("inf"))):
+        stats.save_reported(blocking, slot_wait)
+    found = scrape(stats)
+    assert found["stowaway_save_blocking_seconds_count"] == 0
+    assert found["stowaway_save_slot_wait_seconds_count"] == 0
+
+
+def test_gauges_of_ranks_and_slots_are_read_from_their_source_at_scrape_time() -> None:
+    stats = fresh()
+    current = {"ranks": 3, "slots": 1}
+    stats.watch(lambda: current["ranks"], lambda: current["slots"])
+    assert scrape(stats)["stowaway_ranks_connected"] == 3
+    current.update(ranks=0, slots=0)
+    found = scrape(stats)
+    assert (found["stowaway_ranks_connected"], found["stowaway_slots_in_flight"]) == (0, 0)
+
+
+def test_buckets_span_one_millisecond_to_thirty_minutes() -> None:
+    assert BUCKETS[0] == 0.001 and BUCKETS[-1] == 1800
+    assert list(BUCKETS) == sorted(set(BUCKETS))
+
+
+def test_every_series_is_named_stowaway_and_only_reason_and_le_are_labels() -> None:
+    stats = fresh()
+    stats.watch(lambda: 0, lambda: 0)
+    found = scrape(stats)
+    assert all(name.startswith("stowaway_") for name in sample_names(stats.metrics.exposition()[0].decode()))
+    labels = {pair.split("=", 1)[0] for series in found if "{" in series
+              for pair in series.split("{", 1)[1].rstrip("}").split(",")}
+    assert labels == {"reason", "le"}
+
+
+def test_every_failure_kind_the_sidecar_can_report_is_a_known_reason() -> None:
+    kinds = {classify(OSError(code, "x"), Path("/x")).kind for code in (errno.ENOSPC, errno.EROFS, errno.EIO)}
+    for module in SIDECAR_SOURCE.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            position = KIND_ARGUMENT.get(name)
+            if position is not None and len(node.args) > position:
+                argument = node.args[position]
+                if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+                    kinds.add(argument.value)
+    assert {"commit_timeout", "peer_refused", "protocol", "internal", "restore_corrupt"} <= kinds, kinds
+    assert kinds <= set(FAILURE_REASONS), sorted(kinds - set(FAILURE_REASONS))
