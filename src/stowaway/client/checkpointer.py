@@ -39,7 +39,8 @@ class Checkpointer:
 
     Every argument defaults from the environment: ``STOWAWAY_JOB``,
     ``STOWAWAY_SOCKET`` and torchrun's ``RANK``, ``LOCAL_RANK``,
-    ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``. ``timeout`` bounds every wait:
+    ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``; ``slots`` from ``STOWAWAY_SLOTS_PER_RANK``
+    (set by the operator from the policy), else 2. ``timeout`` bounds every wait:
     for the sidecar, for a free slot, for an answer.
     """
 
@@ -50,7 +51,7 @@ class Checkpointer:
         rank: int | None = None,
         local_rank: int | None = None,
         world_size: int | None = None,
-        slots: int = 2,
+        slots: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         *,
         local_world_size: int | None = None,
@@ -64,6 +65,7 @@ class Checkpointer:
         self.local_rank = env.integer(local_rank, "LOCAL_RANK", self.rank)
         self.world_size = env.integer(world_size, "WORLD_SIZE", 1)
         self.local_world_size = env.integer(local_world_size, "LOCAL_WORLD_SIZE", self.world_size)
+        slots = env.integer(slots, "STOWAWAY_SLOTS_PER_RANK", 2)
         if not 1 <= slots <= messages.MAX_SLOTS_PER_RANK:
             raise ConfigurationError(f"slots must be between 1 and {messages.MAX_SLOTS_PER_RANK}, got {slots}")
         if timeout <= 0:

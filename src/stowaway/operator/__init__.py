@@ -1,0 +1,7 @@
+"""The Kubernetes operator: CheckpointPolicy status and the sidecar-injection webhook.
+
+Rule: the builders (:mod:`injection`, :mod:`policy`, :mod:`certificates`,
+:mod:`settings`) are pure functions of their arguments, with no cluster
+access, so they are tested without one; only :mod:`main` talks to kopf and the
+API server. The operator never imports torch, and never imports the sidecar.
+"""

@@ -1,0 +1,219 @@
+"""Build the patch that injects the Stowaway sidecar into a Pod (DESIGN §9).
+
+Pure: a function of the Pod as submitted and the policy's spec (with the
+CRD's defaults already applied by the API server). The kopf handler only
+fetches the policy and hands the result to the admission response, so every
+rule below is unit-tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+INJECT_LABEL = "stowaway.dev/inject"
+INJECT_ENABLED = "enabled"
+POLICY_ANNOTATION = "stowaway.dev/policy"
+DEFAULT_POLICY = "default"
+# Present on every injected Pod, valued with the policy's name: the idempotency marker.
+MARKER_ANNOTATION = "stowaway.dev/injected"
+
+SIDECAR_NAME = "stowaway-sidecar"
+SHM_VOLUME = "stowaway-shm"
+SOCKET_VOLUME = "stowaway-socket"
+STORAGE_VOLUME = "stowaway-storage"
+OUR_VOLUMES = (SHM_VOLUME, SOCKET_VOLUME, STORAGE_VOLUME)
+
+SHM_PATH = "/dev/shm"
+SOCKET_DIR = "/var/run/stowaway"
+SOCKET_PATH = f"{SOCKET_DIR}/sidecar.sock"
+STORAGE_PATH = "/var/lib/stowaway/storage"
+
+# Labels naming the job a pod belongs to, most specific "whole job" first: a JobSet
+# creates Jobs (whose pods also carry job-name), a PyTorchJob creates pods directly.
+JOB_LABELS = (
+    "jobset.sigs.k8s.io/jobset-name",
+    "training.kubeflow.org/job-name",
+    "batch.kubernetes.io/job-name",
+    "job-name",
+)
+
+# A missing socket is normal for the first seconds; two minutes covers a slow image start.
+STARTUP_PROBE = {
+    "exec": {"command": ["test", "-S", SOCKET_PATH]},
+    "periodSeconds": 1,
+    "failureThreshold": 120,
+}
+SIDECAR_SECURITY = {
+    "runAsNonRoot": True,
+    "readOnlyRootFilesystem": True,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+class InjectionError(ValueError):
+    """The Pod cannot be injected as submitted; the message says what to change."""
+
+
+def policy_name(pod: Mapping[str, Any]) -> str:
+    """The policy a Pod asks for: its ``stowaway.dev/policy`` annotation, else ``default``."""
+    annotations = pod.get("metadata", {}).get("annotations") or {}
+    return annotations.get(POLICY_ANNOTATION) or DEFAULT_POLICY
+
+
+def already_injected(pod: Mapping[str, Any]) -> bool:
+    """True if the marker or the sidecar itself is present (in containers or initContainers).
+
+    Both are checked: a reinvoked webhook sees its own marker, while a Pod copied
+    from an injected one may carry the sidecar without the marker.
+    """
+    annotations = pod.get("metadata", {}).get("annotations") or {}
+    if MARKER_ANNOTATION in annotations:
+        return True
+    spec = pod.get("spec", {})
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    return any(c.get("name") == SIDECAR_NAME for c in containers)
+
+
+def job_name(pod: Mapping[str, Any]) -> str:
+    """The job a Pod's checkpoints belong to: owning JobSet/PyTorchJob/Job label, else generateName.
+
+    All pods of one job, and the replacements of a rescheduled pod, must agree on
+    this name, which is why the pod's own (unique) name is the last resort.
+    """
+    metadata = pod.get("metadata", {})
+    labels = metadata.get("labels") or {}
+    for label in JOB_LABELS:
+        if labels.get(label):
+            return labels[label]
+    generate = (metadata.get("generateName") or "").rstrip("-.")
+    if generate:
+        return generate
+    if metadata.get("name"):
+        return metadata["name"]
+    raise InjectionError(
+        "cannot tell which job this pod belongs to: it has no Job/PyTorchJob/JobSet label, no generateName "
+        "and no name; create it from a Job or set the label batch.kubernetes.io/job-name"
+    )
+
+
+def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
+    """Return the merge-patch fragment that injects the sidecar, or ``{}`` if already injected.
+
+    Lists are returned whole (containers, initContainers, volumes): the caller
+    diffs them against the submitted Pod into a JSON patch. Existing settings of
+    the user win: an env var the container already sets is left alone.
+    """
+    if already_injected(pod):
+        return {}
+    pod_spec = pod.get("spec", {})
+    _refuse_conflicts(pod_spec)
+    client_env = [
+        {"name": "STOWAWAY_SOCKET", "value": SOCKET_PATH},
+        {"name": "STOWAWAY_JOB", "value": job_name(pod)},
+        {"name": "STOWAWAY_SLOTS_PER_RANK", "value": str(spec["sharedMemory"]["slotsPerRank"])},
+    ]
+    containers = [_with_client_mounts(c, client_env) for c in pod_spec.get("containers") or []]
+    init_containers = [_with_client_mounts(c, client_env) for c in pod_spec.get("initContainers") or []]
+    sidecar = _sidecar(pod_spec, spec, default_image)
+    if spec["sidecar"]["native"]:
+        # First, so that the sidecar is up before any later init container or the trainer starts.
+        init_containers.insert(0, sidecar)
+    else:
+        containers.append(sidecar)
+    patch: dict[str, Any] = {
+        "metadata": {"annotations": {MARKER_ANNOTATION: policy}},
+        "spec": {"containers": containers, "volumes": [*(pod_spec.get("volumes") or []), *_volumes(spec)]},
+    }
+    if init_containers:
+        patch["spec"]["initContainers"] = init_containers
+    return patch
+
+
+def _refuse_conflicts(pod_spec: Mapping[str, Any]) -> None:
+    """Refuse a Pod whose own volumes or mounts would collide with ours, rather than inject a broken one."""
+    taken = {v.get("name") for v in pod_spec.get("volumes") or []} & set(OUR_VOLUMES)
+    if taken:
+        raise InjectionError(
+            f"the pod already has volume(s) {', '.join(sorted(taken))}, names reserved for the Stowaway sidecar; "
+            "rename them"
+        )
+    for container in [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]:
+        for mount in container.get("volumeMounts") or []:
+            if mount.get("mountPath", "").rstrip("/") in (SHM_PATH, SOCKET_DIR):
+                raise InjectionError(
+                    f"container {container.get('name')!r} already mounts {mount['mountPath']} (volume "
+                    f"{mount.get('name')!r}); remove that mount: Stowaway provides it, sized by the CheckpointPolicy"
+                )
+
+
+def _with_client_mounts(container: Mapping[str, Any], client_env: list[dict[str, str]]) -> dict[str, Any]:
+    result = copy.deepcopy(dict(container))
+    result["volumeMounts"] = [
+        *(result.get("volumeMounts") or []),
+        {"name": SHM_VOLUME, "mountPath": SHM_PATH},
+        {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR},
+    ]
+    env = result.get("env") or []
+    present = {e.get("name") for e in env}
+    result["env"] = [*env, *(e for e in client_env if e["name"] not in present)]
+    return result
+
+
+def _volumes(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    claim = spec["storage"]["persistentVolumeClaim"]
+    return [
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(spec["sharedMemory"]["sizeLimit"])}},
+        {"name": SOCKET_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+        {"name": STORAGE_VOLUME, "persistentVolumeClaim": {"claimName": claim["claimName"]}},
+    ]
+
+
+def _trainer_uids(pod_spec: Mapping[str, Any]) -> list[int]:
+    """uids the trainer containers run as, which the sidecar must accept on its socket."""
+    contexts = [pod_spec.get("securityContext") or {}]
+    contexts += [c.get("securityContext") or {} for c in pod_spec.get("containers") or []]
+    return sorted({ctx["runAsUser"] for ctx in contexts if ctx.get("runAsUser") is not None})
+
+
+def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
+    sidecar_spec = spec["sidecar"]
+    retention = spec["retention"]
+    command = [
+        "stowaway", "sidecar",
+        "--storage", STORAGE_PATH,
+        "--socket", SOCKET_PATH,
+        "--shm-dir", SHM_PATH,
+        "--keep-last", str(retention["keepLast"]),
+        "--keep-every", str(retention["keepEvery"]),
+        "--commit-timeout", str(spec["commitTimeoutSeconds"]),
+        "--persist-workers", str(spec["persistence"]["concurrency"]),
+        "--metrics-port", str(sidecar_spec["metricsPort"]),
+    ]
+    for uid in _trainer_uids(pod_spec):
+        command += ["--allow-uid", str(uid)]
+    storage_mount = {"name": STORAGE_VOLUME, "mountPath": STORAGE_PATH}
+    if spec["storage"]["persistentVolumeClaim"].get("subPath"):
+        storage_mount["subPath"] = spec["storage"]["persistentVolumeClaim"]["subPath"]
+    sidecar: dict[str, Any] = {
+        "name": SIDECAR_NAME,
+        "image": sidecar_spec.get("image") or default_image,
+        "command": command,
+        "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}}],
+        "ports": [{"name": "ckpt-metrics", "containerPort": sidecar_spec["metricsPort"], "protocol": "TCP"}],
+        "resources": copy.deepcopy(sidecar_spec.get("resources") or {}),
+        "volumeMounts": [
+            {"name": SHM_VOLUME, "mountPath": SHM_PATH},
+            {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR},
+            storage_mount,
+        ],
+        "startupProbe": copy.deepcopy(STARTUP_PROBE),
+        "securityContext": copy.deepcopy(SIDECAR_SECURITY),
+    }
+    if sidecar_spec.get("imagePullPolicy"):
+        sidecar["imagePullPolicy"] = sidecar_spec["imagePullPolicy"]
+    if sidecar_spec["native"]:
+        sidecar["restartPolicy"] = "Always"
+    return sidecar

@@ -1,0 +1,106 @@
+"""kopf handlers: thin wrappers that fetch what the pure builders need and apply their result.
+
+Run with ``python -m stowaway.operator`` (see :mod:`stowaway.operator.__main__`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import kopf
+
+from stowaway.operator import certificates, cluster, injection, policy
+from stowaway.operator.settings import OperatorSettings
+
+NEVER_INJECTED = frozenset({"kube-system"})
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    config: OperatorSettings = memo.config
+    settings.peering.standalone = True
+    settings.posting.enabled = False
+    settings.admission.server = _webhook_server(config)
+    if config.dev_host:
+        settings.admission.managed = "stowaway-dev.stowaway.dev"
+    memo.api = cluster.connect()
+
+
+def _webhook_server(config: OperatorSettings) -> kopf.WebhookServer:
+    if config.cert_dir is not None:
+        return kopf.WebhookServer(
+            addr="0.0.0.0", port=config.webhook_port,
+            certfile=str(config.cert_dir / "tls.crt"), pkeyfile=str(config.cert_dir / "tls.key"),
+            host=config.dev_host,
+        )
+    # Development only: a throw-away certificate for the host kopf registers itself under.
+    assert config.dev_host is not None
+    made = certificates.self_signed([config.dev_host])
+    folder = Path(tempfile.mkdtemp(prefix="stowaway-webhook-"))
+    for name, pem in (("ca.crt", made.ca_pem), ("tls.crt", made.cert_pem), ("tls.key", made.key_pem)):
+        (folder / name).write_bytes(pem)
+    return kopf.WebhookServer(
+        addr="0.0.0.0", port=config.webhook_port, host=config.dev_host,
+        certfile=str(folder / "tls.crt"), pkeyfile=str(folder / "tls.key"), cafile=str(folder / "ca.crt"),
+    )
+
+
+@kopf.on.mutate(
+    "v1", "pods", id="inject", operations=["CREATE"],
+    labels={injection.INJECT_LABEL: injection.INJECT_ENABLED}, side_effects=False, ignore_failures=False,
+)
+async def inject(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    namespace = body.metadata.namespace
+    if namespace in NEVER_INJECTED or namespace == memo.config.namespace:
+        return
+    pod = dict(body)
+    if injection.already_injected(pod):
+        return
+    name = injection.policy_name(pod)
+    found = await asyncio.to_thread(cluster.read_policy, memo.api, namespace, name)
+    if found is None:
+        raise kopf.AdmissionError(
+            f"CheckpointPolicy {name!r} not found in namespace {namespace!r}: create it, or name an existing one "
+            f"with the annotation {injection.POLICY_ANNOTATION} (see docs/operator.md)",
+            code=400,
+        )
+    if not policy.is_ready(found):
+        raise kopf.AdmissionError(
+            f"CheckpointPolicy {name!r} in namespace {namespace!r} is not Ready: {policy.not_ready_reason(found)}",
+            code=400,
+        )
+    try:
+        fragment = injection.build_patch(pod, name, found["spec"], memo.config.sidecar_image)
+    except injection.InjectionError as exc:
+        raise kopf.AdmissionError(f"cannot inject the Stowaway sidecar: {exc}", code=400) from None
+    patch.update(fragment)
+
+
+@kopf.on.event(policy.GROUP, policy.VERSION, policy.PLURAL)
+async def policy_changed(event: kopf.RawEvent, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
+                         **_: Any) -> None:
+    if event.get("type") not in (None, "ADDED", "MODIFIED"):
+        return
+    await _refresh_status(body, patch, memo)
+
+
+async def _refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
+    """Write the policy's status if it changed (an unchanged status writes nothing, so no event loop).
+
+    Event handlers, not timers or daemons: those make kopf put a finalizer on every
+    policy, which would block deleting a namespace while the operator is down.
+    """
+    namespace, name, spec = body.metadata.namespace, body.metadata.name, body.spec
+    claim = spec["storage"]["persistentVolumeClaim"]["claimName"]
+    exists = await asyncio.to_thread(cluster.claim_exists, memo.api, namespace, claim)
+    injected = await asyncio.to_thread(cluster.count_injected, memo.api, namespace, name)
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    current = dict(body.status)
+    wanted = policy.status(policy.judge(spec, exists), body.metadata["generation"], current, now)
+    wanted["podsInjected"] = injected
+    if {k: current.get(k) for k in wanted} != wanted:
+        patch.status.update(wanted)

@@ -1,0 +1,256 @@
+"""The pure injection builder: what an opted-in Pod gets, and what it never gets twice."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from stowaway.operator import injection, policy
+
+IMAGE = "stowaway:test"
+
+
+def policy_spec(**overrides: Any) -> dict[str, Any]:
+    """A spec as the API server stores it, with every CRD default filled in."""
+    spec: dict[str, Any] = {
+        "storage": {"persistentVolumeClaim": {"claimName": "ckpts", "subPath": ""}},
+        "retention": {"keepLast": 3, "keepEvery": 0},
+        "sharedMemory": {"sizeLimit": "8Gi", "slotsPerRank": 2},
+        "sidecar": {"image": "", "resources": {"requests": {"cpu": "100m"}}, "metricsPort": 9464, "native": True},
+        "persistence": {"concurrency": 4, "directIO": False, "checksum": "xxh3-64"},
+        "commitTimeoutSeconds": 600,
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) else value
+    return spec
+
+
+def job_pod(**spec: Any) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "generateName": "train-",
+            "namespace": "ml",
+            "labels": {"stowaway.dev/inject": "enabled", "batch.kubernetes.io/job-name": "train"},
+        },
+        "spec": {"containers": [{"name": "trainer", "image": "pytorch"}], **spec},
+    }
+
+
+def applied(pod: dict[str, Any], fragment: dict[str, Any]) -> dict[str, Any]:
+    """The pod after a merge-patch fragment (lists replaced whole, dicts merged)."""
+    result = copy.deepcopy(pod)
+
+    def merge(into: dict[str, Any], patch: dict[str, Any]) -> None:
+        for key, value in patch.items():
+            if isinstance(value, dict) and isinstance(into.get(key), dict):
+                merge(into[key], value)
+            else:
+                into[key] = copy.deepcopy(value)
+
+    merge(result, fragment)
+    return result
+
+
+def injected(pod: dict[str, Any] | None = None, spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    pod = job_pod() if pod is None else pod
+    return applied(pod, injection.build_patch(pod, "default", spec or policy_spec(), IMAGE))
+
+
+def test_native_sidecar_is_the_first_init_container_with_restart_always_and_a_socket_startup_probe() -> None:
+    sidecar = injected()["spec"]["initContainers"][0]
+    assert sidecar["name"] == "stowaway-sidecar"
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["startupProbe"]["exec"]["command"] == ["test", "-S", "/var/run/stowaway/sidecar.sock"]
+    assert sidecar["image"] == IMAGE
+
+
+def test_sidecar_command_carries_every_policy_setting() -> None:
+    spec = policy_spec(retention={"keepLast": 5, "keepEvery": 100}, commitTimeoutSeconds=30,
+                       persistence={"concurrency": 8}, sidecar={"metricsPort": 9999})
+    command = injected(spec=spec)["spec"]["initContainers"][0]["command"]
+    assert command == [
+        "stowaway", "sidecar", "--storage", "/var/lib/stowaway/storage", "--socket", "/var/run/stowaway/sidecar.sock",
+        "--shm-dir", "/dev/shm", "--keep-last", "5", "--keep-every", "100", "--commit-timeout", "30",
+        "--persist-workers", "8", "--metrics-port", "9999",
+    ]
+
+
+def test_sidecar_is_non_root_read_only_without_capabilities_and_knows_its_node() -> None:
+    sidecar = injected()["spec"]["initContainers"][0]
+    assert sidecar["securityContext"] == {
+        "runAsNonRoot": True, "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    node = {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}
+    assert sidecar["env"] == [{"name": "NODE_NAME", "valueFrom": node}]
+    assert sidecar["resources"] == {"requests": {"cpu": "100m"}}
+    assert sidecar["ports"] == [{"name": "ckpt-metrics", "containerPort": 9464, "protocol": "TCP"}]
+
+
+def test_policy_image_overrides_the_operator_default() -> None:
+    spec = policy_spec(sidecar={"image": "mirror/stowaway:1", "imagePullPolicy": "Always"})
+    sidecar = injected(spec=spec)["spec"]["initContainers"][0]
+    assert (sidecar["image"], sidecar["imagePullPolicy"]) == ("mirror/stowaway:1", "Always")
+
+
+def test_fallback_appends_a_plain_container_when_native_sidecars_are_off() -> None:
+    pod = injected(spec=policy_spec(sidecar={"native": False}))
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["trainer", "stowaway-sidecar"]
+    assert "restartPolicy" not in pod["spec"]["containers"][1]
+    assert "initContainers" not in pod["spec"]
+
+
+def test_volumes_are_memory_shm_sized_by_policy_a_small_socket_dir_and_the_claim() -> None:
+    volumes = injected(spec=policy_spec(sharedMemory={"sizeLimit": "32Gi"}))["spec"]["volumes"]
+    assert volumes == [
+        {"name": "stowaway-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}},
+        {"name": "stowaway-socket", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+        {"name": "stowaway-storage", "persistentVolumeClaim": {"claimName": "ckpts"}},
+    ]
+
+
+def test_every_container_mounts_shm_and_socket_but_only_the_sidecar_mounts_storage() -> None:
+    pod = job_pod(initContainers=[{"name": "fetch", "image": "busybox"}])
+    pod["spec"]["containers"].append({"name": "logger", "image": "busybox"})
+    spec = injected(pod)["spec"]
+    for container in [*spec["initContainers"], *spec["containers"]]:
+        paths = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert paths["/dev/shm"] == "stowaway-shm"
+        assert paths["/var/run/stowaway"] == "stowaway-socket"
+        has_storage = "stowaway-storage" in paths.values()
+        assert has_storage == (container["name"] == "stowaway-sidecar")
+
+
+def test_storage_sub_path_is_mounted_when_set() -> None:
+    spec = policy_spec(storage={"persistentVolumeClaim": {"claimName": "ckpts", "subPath": "team/a"}})
+    mounts = injected(spec=spec)["spec"]["initContainers"][0]["volumeMounts"]
+    assert {"name": "stowaway-storage", "mountPath": "/var/lib/stowaway/storage", "subPath": "team/a"} in mounts
+
+
+def test_existing_user_volumes_mounts_and_env_are_kept() -> None:
+    pod = job_pod(volumes=[{"name": "data", "emptyDir": {}}])
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": "/data"}]
+    pod["spec"]["containers"][0]["env"] = [{"name": "EPOCHS", "value": "3"}]
+    spec = injected(pod)["spec"]
+    trainer = spec["containers"][0]
+    assert trainer["volumeMounts"][0] == {"name": "data", "mountPath": "/data"}
+    assert trainer["env"][0] == {"name": "EPOCHS", "value": "3"}
+    assert spec["volumes"][0] == {"name": "data", "emptyDir": {}}
+
+
+def test_trainer_gets_socket_job_and_slots_environment() -> None:
+    env = injected(spec=policy_spec(sharedMemory={"slotsPerRank": 3}))["spec"]["containers"][0]["env"]
+    assert env == [
+        {"name": "STOWAWAY_SOCKET", "value": "/var/run/stowaway/sidecar.sock"},
+        {"name": "STOWAWAY_JOB", "value": "train"},
+        {"name": "STOWAWAY_SLOTS_PER_RANK", "value": "3"},
+    ]
+
+
+def test_environment_the_user_already_set_wins() -> None:
+    pod = job_pod()
+    pod["spec"]["containers"][0]["env"] = [{"name": "STOWAWAY_JOB", "value": "mine"}]
+    env = injected(pod)["spec"]["containers"][0]["env"]
+    assert [e["value"] for e in env if e["name"] == "STOWAWAY_JOB"] == ["mine"]
+
+
+@pytest.mark.parametrize(
+    ("labels", "expected"),
+    [
+        ({"batch.kubernetes.io/job-name": "train"}, "train"),
+        ({"job-name": "legacy"}, "legacy"),
+        ({"training.kubeflow.org/job-name": "ptj", "batch.kubernetes.io/job-name": "x"}, "ptj"),
+        ({"jobset.sigs.k8s.io/jobset-name": "js", "batch.kubernetes.io/job-name": "js-workers-0"}, "js"),
+        ({}, "train"),
+    ],
+)
+def test_job_name_comes_from_the_owning_workload_label_else_generate_name(labels: dict[str, str],
+                                                                          expected: str) -> None:
+    pod = job_pod()
+    pod["metadata"]["labels"] = labels
+    assert injection.job_name(pod) == expected
+
+
+def test_job_name_falls_back_to_the_pod_name_and_refuses_a_pod_with_nothing() -> None:
+    assert injection.job_name({"metadata": {"name": "solo"}}) == "solo"
+    with pytest.raises(injection.InjectionError, match="which job"):
+        injection.job_name({"metadata": {}})
+
+
+def test_trainer_uids_are_allowed_on_the_socket() -> None:
+    pod = job_pod(securityContext={"runAsUser": 1000})
+    pod["spec"]["containers"][0]["securityContext"] = {"runAsUser": 2000}
+    command = injected(pod)["spec"]["initContainers"][0]["command"]
+    assert command[-4:] == ["--allow-uid", "1000", "--allow-uid", "2000"]
+
+
+def test_marker_annotation_names_the_policy() -> None:
+    pod = job_pod()
+    pod["metadata"]["annotations"] = {"team": "a"}
+    fragment = injection.build_patch(pod, "fast", policy_spec(), IMAGE)
+    assert applied(pod, fragment)["metadata"]["annotations"] == {"team": "a", "stowaway.dev/injected": "fast"}
+
+
+def test_reinvocation_on_an_injected_pod_injects_nothing() -> None:
+    once = injected()
+    assert injection.build_patch(once, "default", policy_spec(), IMAGE) == {}
+
+
+@pytest.mark.parametrize("where", ["containers", "initContainers"])
+def test_a_pod_already_carrying_the_sidecar_without_the_marker_is_left_alone(where: str) -> None:
+    pod = job_pod()
+    pod["spec"].setdefault(where, []).append({"name": "stowaway-sidecar", "image": IMAGE})
+    assert injection.build_patch(pod, "default", policy_spec(), IMAGE) == {}
+
+
+def test_a_user_mount_on_dev_shm_is_refused_with_the_container_named() -> None:
+    pod = job_pod(volumes=[{"name": "shm", "emptyDir": {"medium": "Memory"}}])
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "shm", "mountPath": "/dev/shm"}]
+    with pytest.raises(injection.InjectionError, match="'trainer' already mounts /dev/shm"):
+        injection.build_patch(pod, "default", policy_spec(), IMAGE)
+
+
+def test_a_user_volume_with_a_reserved_name_is_refused() -> None:
+    pod = job_pod(volumes=[{"name": "stowaway-storage", "emptyDir": {}}])
+    with pytest.raises(injection.InjectionError, match="stowaway-storage"):
+        injection.build_patch(pod, "default", policy_spec(), IMAGE)
+
+
+def test_build_patch_does_not_modify_the_pod_it_was_given() -> None:
+    pod = job_pod()
+    before = copy.deepcopy(pod)
+    injection.build_patch(pod, "default", policy_spec(), IMAGE)
+    assert pod == before
+
+
+def test_policy_name_defaults_to_default() -> None:
+    assert injection.policy_name(job_pod()) == "default"
+    pod = job_pod()
+    pod["metadata"]["annotations"] = {"stowaway.dev/policy": "fast"}
+    assert injection.policy_name(pod) == "fast"
+
+
+def test_a_policy_is_ready_only_with_its_claim_and_no_unsupported_setting() -> None:
+    assert policy.judge(policy_spec(), claim_exists=True).ready
+    missing = policy.judge(policy_spec(), claim_exists=False)
+    assert (missing.ready, missing.reason) == (False, "ClaimNotFound")
+    assert "'ckpts'" in missing.message
+    direct = policy.judge(policy_spec(persistence={"directIO": True}), claim_exists=True)
+    assert (direct.ready, direct.reason) == (False, "Unsupported")
+
+
+def test_ready_transition_time_moves_only_when_readiness_flips() -> None:
+    ok = policy.Verdict(True, "Valid", "fine")
+    first = policy.status(ok, 1, None, "t1")
+    assert policy.status(ok, 2, first, "t2")["conditions"][0]["lastTransitionTime"] == "t1"
+    flipped = policy.status(policy.Verdict(False, "ClaimNotFound", "gone"), 2, first, "t3")
+    assert flipped["conditions"][0]["lastTransitionTime"] == "t3"
+
+
+def test_readiness_counts_only_for_the_current_generation() -> None:
+    stored = {"metadata": {"generation": 2}, "status": policy.status(policy.Verdict(True, "Valid", "ok"), 1, None, "t")}
+    assert not policy.is_ready(stored)
+    stored["metadata"]["generation"] = 1
+    assert policy.is_ready(stored)
