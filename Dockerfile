@@ -4,7 +4,7 @@ FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[operator,metrics]"
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[operator]"
 
 FROM python:3.11-slim-bookworm
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
