@@ -36,10 +36,10 @@ def start_sidecar(short_tmp: Path, storage: Path) -> Iterator[Callable[..., Side
         return sidecar
 
     yield start
-    for sidecar in started:
-        if sidecar.alive():
-            status = sidecar.stop()
-            assert status == 0, f"sidecar {sidecar.name} exited with {status} on SIGTERM:\n{sidecar.log()}"
+    # Stop every sidecar before reporting any of them, so a failure never leaks a process.
+    bad = [f"sidecar {sidecar.name} exited with {status} on SIGTERM:\n{sidecar.log()}"
+           for sidecar in started if sidecar.alive() and (status := sidecar.stop()) != 0]
+    assert not bad, "\n".join(bad)
 
 
 @pytest.fixture
