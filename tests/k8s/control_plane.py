@@ -100,6 +100,20 @@ def write_kubeconfig(path: Path, server: str, ca: Path, user: str, creds: KeyPai
     return path
 
 
+def secure_component_flags(kubeconfig: Path, port: int, serving: KeyPair) -> list[str]:
+    """Flags kube-controller-manager and kube-scheduler share: one identity, HTTPS on loopback, no election."""
+    return [
+        f"--kubeconfig={kubeconfig}",
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={port}",
+        f"--tls-cert-file={serving.cert}",
+        f"--tls-private-key-file={serving.key}",
+        "--leader-elect=false",
+    ]
+
+
 def _start_with_port_retry(
     start: Callable[[], ManagedProcess],
     ready: Callable[[ManagedProcess], None],
@@ -294,14 +308,7 @@ class ControlPlane:
             self.kcm_port = free_port()
             argv = [
                 self.tools.kube_controller_manager,
-                f"--kubeconfig={kubeconfig}",
-                f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={self.kcm_port}",
-                f"--tls-cert-file={self.serving.cert}",
-                f"--tls-private-key-file={self.serving.key}",
-                "--leader-elect=false",
+                *secure_component_flags(kubeconfig, self.kcm_port, self.serving),
                 "--use-service-account-credentials=true",
                 f"--service-account-private-key-file={self.sa.key}",
                 f"--root-ca-file={self.ca.cert_path}",
@@ -359,14 +366,7 @@ class FakeNodes:
             self.port = free_port()
             argv = [
                 plane.tools.kube_scheduler,
-                f"--kubeconfig={kubeconfig}",
-                f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={self.port}",
-                f"--tls-cert-file={plane.serving.cert}",
-                f"--tls-private-key-file={plane.serving.key}",
-                "--leader-elect=false",
+                *secure_component_flags(kubeconfig, self.port, plane.serving),
                 "--v=1",
             ]
             return ManagedProcess("kube-scheduler", argv, plane.log("kube-scheduler")).start()

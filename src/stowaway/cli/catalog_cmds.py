@@ -81,9 +81,11 @@ def run_verify(args: argparse.Namespace) -> int:
         raise CommandError(f"{job} holds no committed checkpoint to verify")
     bad = 0
     for step in steps:
-        problems = catalog.verify_step(job, step)
-        if not (layout.step_dir(job, step) / layout.MANIFEST).exists():
-            problems = [catalog.Problem(layout.step_dir(job, step), "not committed (no manifest)")]
+        step_path = layout.step_dir(job, step)
+        if (step_path / layout.MANIFEST).exists():
+            problems = catalog.verify_step(job, step)
+        else:
+            problems = [catalog.Problem(step_path, "not committed (no manifest)")]
         for problem in problems:
             print(f"step {step}: BAD {problem}")
         if not problems:

@@ -31,9 +31,15 @@ def common_steps(steps: list[int], world_size: int) -> list[int]:
     return sorted(set.intersection(*sets), reverse=True)
 
 
-def failed_ranks(error: str | None, rank: int, world_size: int) -> list[tuple[int, str]]:
-    """Every rank's restore error, empty when all ranks succeeded."""
-    return [(r, e) for r, e in _gather((rank, error), world_size) if e is not None]
+def restore_outcomes(
+    refused: str | None, error: str | None, rank: int, world_size: int
+) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """Every rank's refusal and error for one candidate step, in one exchange; both empty on success."""
+    gathered = _gather((rank, refused, error), world_size)
+    return (
+        [(r, reason) for r, reason, _ in gathered if reason is not None],
+        [(r, reason) for r, _, reason in gathered if reason is not None],
+    )
 
 
 def shared_run_id(proposal: str, world_size: int) -> str:

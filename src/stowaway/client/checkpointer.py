@@ -167,10 +167,10 @@ class Checkpointer:
                 refused = str(exc)
             except (StowawayError, HeaderError) as exc:
                 error = str(exc)
+            refusals, failures = agreement.restore_outcomes(refused, error, self.rank, self.world_size)
             # An older step would be refused for the same reason: every rank raises it instead.
-            for rank, reason in agreement.failed_ranks(refused, self.rank, self.world_size):
+            for rank, reason in refusals:
                 raise UnsupportedState(f"rank {rank}: {reason}")
-            failures = agreement.failed_ranks(error, self.rank, self.world_size)
             if not failures:
                 log.info("rank %d restored step %d from %s", self.rank, candidate, source)
                 return candidate, state
@@ -334,7 +334,7 @@ class Checkpointer:
 
     def _dispatch(self, message: Message) -> None:
         kind = message["type"]
-        if kind in ("registered",):
+        if kind == "registered":
             self._responses[(kind, message["slot"])] = message
         elif kind == "inventory":
             self._responses[("inventory", 0)] = message

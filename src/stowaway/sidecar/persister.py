@@ -136,16 +136,10 @@ def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Pat
 
 
 def make_durable(written: Written) -> None:
+    fd, written.fd = written.fd, -1
     try:
-        os.fdatasync(written.fd)
-        # Dirty pages count against the pod's memory limit; drop them once they are on disk.
-        os.posix_fadvise(written.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(written.fd)
-        written.fd = -1
-        os.replace(written.tmp, written.final)
-        durable.fsync_dir(written.final.parent)
+        durable.publish(fd, written.tmp, written.final)
     except OSError as exc:
-        discard(written)
         raise classify(exc, written.final) from exc
 
 
