@@ -62,7 +62,7 @@ def test_native_sidecar_is_the_first_init_container_with_restart_always_and_a_so
     sidecar = injected()["spec"]["initContainers"][0]
     assert sidecar["name"] == "stowaway-sidecar"
     assert sidecar["restartPolicy"] == "Always"
-    assert sidecar["startupProbe"]["exec"]["command"] == ["test", "-S", "/var/run/stowaway/sidecar.sock"]
+    assert sidecar["startupProbe"]["exec"]["command"] == ["test", "-S", "/var/run/stowaway/sidecar/sidecar.sock"]
     assert sidecar["image"] == IMAGE
 
 
@@ -71,8 +71,9 @@ def test_sidecar_command_carries_every_policy_setting() -> None:
                        persistence={"concurrency": 8}, sidecar={"metricsPort": 9999})
     command = injected(spec=spec)["spec"]["initContainers"][0]["command"]
     assert command == [
-        "stowaway", "sidecar", "--storage", "/var/lib/stowaway/storage", "--socket", "/var/run/stowaway/sidecar.sock",
-        "--shm-dir", "/dev/shm", "--keep-last", "5", "--keep-every", "100", "--commit-timeout", "30",
+        "stowaway", "sidecar", "--storage", "/var/lib/stowaway/storage",
+        "--socket", "/var/run/stowaway/sidecar/sidecar.sock",
+        "--shm-dir", "/dev/shm/stowaway", "--keep-last", "5", "--keep-every", "100", "--commit-timeout", "30",
         "--persist-workers", "8", "--metrics-port", "9999",
     ]
 
@@ -143,7 +144,7 @@ def test_existing_user_volumes_mounts_and_env_are_kept() -> None:
 def test_trainer_gets_socket_job_and_slots_environment() -> None:
     env = injected(spec=policy_spec(sharedMemory={"slotsPerRank": 3}))["spec"]["containers"][0]["env"]
     assert env == [
-        {"name": "STOWAWAY_SOCKET", "value": "/var/run/stowaway/sidecar.sock"},
+        {"name": "STOWAWAY_SOCKET", "value": "/var/run/stowaway/sidecar/sidecar.sock"},
         {"name": "STOWAWAY_JOB", "value": "train"},
         {"name": "STOWAWAY_SLOTS_PER_RANK", "value": "3"},
     ]
@@ -184,6 +185,25 @@ def test_trainer_uids_are_allowed_on_the_socket() -> None:
     pod["spec"]["containers"][0]["securityContext"] = {"runAsUser": 2000}
     command = injected(pod)["spec"]["initContainers"][0]["command"]
     assert command[-4:] == ["--allow-uid", "1000", "--allow-uid", "2000"]
+
+
+def test_a_pod_without_an_fs_group_gets_the_sidecars_group_so_both_sides_share_files() -> None:
+    pod = job_pod(securityContext={"runAsUser": 1000})
+    assert injected(pod)["spec"]["securityContext"] == {
+        "runAsUser": 1000, "fsGroup": 65532, "fsGroupChangePolicy": "OnRootMismatch",
+    }
+
+
+def test_a_pod_that_chose_its_fs_group_and_change_policy_keeps_them() -> None:
+    pod = job_pod(securityContext={"fsGroup": 2000, "fsGroupChangePolicy": "Always"})
+    assert injected(pod)["spec"]["securityContext"] == {"fsGroup": 2000, "fsGroupChangePolicy": "Always"}
+    assert "securityContext" not in injection.build_patch(pod, "default", policy_spec(), IMAGE)["spec"]
+
+
+def test_the_sidecar_keeps_slots_and_socket_in_subdirectories_of_the_world_writable_volumes() -> None:
+    command = injected()["spec"]["initContainers"][0]["command"]
+    assert command[command.index("--shm-dir") + 1] == "/dev/shm/stowaway"
+    assert command[command.index("--socket") + 1] == "/var/run/stowaway/sidecar/sidecar.sock"
 
 
 def test_marker_annotation_names_the_policy() -> None:

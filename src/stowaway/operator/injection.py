@@ -25,10 +25,15 @@ SOCKET_VOLUME = "stowaway-socket"
 STORAGE_VOLUME = "stowaway-storage"
 OUR_VOLUMES = (SHM_VOLUME, SOCKET_VOLUME, STORAGE_VOLUME)
 
+# Volumes are mounted at SHM_PATH and SOCKET_DIR; kubelet makes an emptyDir's root world-writable, so the
+# sidecar keeps its slots and socket in subdirectories it creates private to the pod's fsGroup.
 SHM_PATH = "/dev/shm"
+SLOT_DIR = f"{SHM_PATH}/stowaway"
 SOCKET_DIR = "/var/run/stowaway"
-SOCKET_PATH = f"{SOCKET_DIR}/sidecar.sock"
+SOCKET_PATH = f"{SOCKET_DIR}/sidecar/sidecar.sock"
 STORAGE_PATH = "/var/lib/stowaway/storage"
+# The group of the sidecar image (Dockerfile: USER 65532:65532), the fsGroup of pods that set none.
+SIDECAR_GID = 65532
 
 # Labels naming the job a pod belongs to, most specific "whole job" first: a JobSet
 # creates Jobs (whose pods also carry job-name), a PyTorchJob creates pods directly.
@@ -129,7 +134,27 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
     }
     if init_containers:
         patch["spec"]["initContainers"] = init_containers
+    shared_group = _shared_group(pod_spec)
+    if shared_group:
+        patch["spec"]["securityContext"] = shared_group
     return patch
+
+
+def _shared_group(pod_spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A pod fsGroup, so trainer and sidecar can open each other's files whatever their uids.
+
+    kubelet adds the fsGroup to every container's groups and makes the pod's volumes group-owned by it
+    (setgid on emptyDirs): the socket, the slot files and the storage volume then stay readable and
+    writable by both sides. A pod that chose its own fsGroup keeps it; the sidecar is in it too.
+    """
+    context = pod_spec.get("securityContext") or {}
+    if context.get("fsGroup") is not None:
+        return {}
+    shared = {"fsGroup": SIDECAR_GID}
+    if "fsGroupChangePolicy" not in context:
+        # Only re-own the storage volume when its root is not the group yet, not on every start.
+        shared["fsGroupChangePolicy"] = "OnRootMismatch"
+    return shared
 
 
 def _refuse_conflicts(pod_spec: Mapping[str, Any]) -> None:
@@ -185,7 +210,7 @@ def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image
         "stowaway", "sidecar",
         "--storage", STORAGE_PATH,
         "--socket", SOCKET_PATH,
-        "--shm-dir", SHM_PATH,
+        "--shm-dir", SLOT_DIR,
         "--keep-last", str(retention["keepLast"]),
         "--keep-every", str(retention["keepEvery"]),
         "--commit-timeout", str(spec["commitTimeoutSeconds"]),

@@ -99,9 +99,17 @@ class Sidecar:
         return None if writable else f"storage {storage} is not writable"
 
     def _prepare_directories(self) -> None:
+        """Use the socket and slot directories, creating them private to one group when missing.
+
+        A created directory gets mode 2770 whatever the umask: the setgid bit makes the socket and
+        the slot files inherit the directory's group (a pod's fsGroup), which ranks and sidecar share.
+        That is how the sidecar works inside kubelet's emptyDirs, which are world-writable: it is
+        pointed at a subdirectory it creates, never at the volume's root.
+        """
         for directory in (self.config.socket_path.parent, self.config.shm_dir):
             if not directory.exists():
-                directory.mkdir(mode=0o770, parents=True)
+                directory.mkdir(parents=True)
+                os.chmod(directory, 0o2770)
             mode = directory.stat().st_mode
             if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
                 raise SidecarError(

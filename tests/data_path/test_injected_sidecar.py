@@ -1,0 +1,99 @@
+"""The sidecar exactly as the webhook injects it, run against volumes laid out as kubelet makes them.
+
+kubelet creates emptyDirs world-writable (0777). The sidecar refuses such a
+directory for its socket or slots, so the injected command must point it at
+subdirectories it creates itself. Here the volume roots are real 0777
+directories under a temp prefix that stands in for the pod's mount points.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from data_path.processes import wait_for
+from stowaway import Checkpointer
+from stowaway.operator import injection
+from stowaway.storage import catalog
+
+POLICY_SPEC = {
+    "storage": {"persistentVolumeClaim": {"claimName": "ckpts", "subPath": ""}},
+    "retention": {"keepLast": 3, "keepEvery": 0},
+    "sharedMemory": {"sizeLimit": "1Gi", "slotsPerRank": 2},
+    "sidecar": {"image": "", "resources": {}, "metricsPort": 9464, "native": True},
+    "persistence": {"concurrency": 2, "directIO": False, "checksum": "xxh3-64"},
+    "commitTimeoutSeconds": 60,
+}
+POD = {
+    "metadata": {"generateName": "train-", "labels": {"stowaway.dev/inject": "enabled", "job-name": "train"}},
+    "spec": {"containers": [{"name": "trainer", "image": "pytorch"}]},
+}
+MOUNT_POINTS = (injection.SHM_PATH, injection.SOCKET_DIR, injection.STORAGE_PATH)
+
+
+def under(root: Path, path: str) -> str:
+    """The pod path ``path`` as it lies under this test's stand-in for the pod's mounts."""
+    for mount in MOUNT_POINTS:
+        if path == mount or path.startswith(mount + "/"):
+            return str(root / mount.lstrip("/")) + path[len(mount):]
+    return path
+
+
+def kubelet_volumes(root: Path) -> None:
+    for mount in MOUNT_POINTS:
+        path = Path(under(root, mount))
+        path.mkdir(parents=True)
+        os.chmod(path, 0o777)
+
+
+def sidecar_argv(root: Path, command: list[str]) -> list[str]:
+    argv = [sys.executable, "-m", "stowaway", *command[1:]]
+    argv = [under(root, arg) for arg in argv]
+    port = argv.index("--metrics-port") + 1
+    argv[port] = "0"
+    return argv
+
+
+def test_the_injected_sidecar_serves_ranks_from_subdirectories_of_world_writable_volumes(short_tmp):
+    patch = injection.build_patch(POD, "default", POLICY_SPEC, "stowaway:test")
+    sidecar_spec = patch["spec"]["initContainers"][0]
+    trainer_env = {e["name"]: e["value"] for e in patch["spec"]["containers"][0]["env"]}
+    root = short_tmp / "pod"
+    kubelet_volumes(root)
+    log = (short_tmp / "sidecar.log").open("wb")
+    sidecar = subprocess.Popen(sidecar_argv(root, sidecar_spec["command"]), stdout=log, stderr=subprocess.STDOUT)
+    socket_path = Path(under(root, trainer_env["STOWAWAY_SOCKET"]))
+    try:
+        def listening() -> bool:
+            assert sidecar.poll() is None, (short_tmp / "sidecar.log").read_text()
+            return socket_path.exists() and stat.S_ISSOCK(socket_path.stat().st_mode)
+
+        wait_for(listening, "the injected sidecar's socket (what its startup probe tests)")
+        for directory in (socket_path.parent, Path(under(root, injection.SLOT_DIR))):
+            assert stat.S_IMODE(directory.stat().st_mode) == 0o2770, directory
+        with Checkpointer(job=trainer_env["STOWAWAY_JOB"], socket=socket_path, rank=0, world_size=1,
+                          slots=int(trainer_env["STOWAWAY_SLOTS_PER_RANK"]), timeout=30) as ckpt:
+            ckpt.save(1, {"w": torch.ones(8)}).wait()
+        assert catalog.committed_steps(Path(under(root, injection.STORAGE_PATH)) / "train") == [1]
+    finally:
+        sidecar.terminate()
+        assert sidecar.wait(timeout=60) == 0, (short_tmp / "sidecar.log").read_text()
+
+
+def test_a_sidecar_pointed_at_a_world_writable_directory_refuses_to_start(short_tmp):
+    exposed = short_tmp / "exposed"
+    exposed.mkdir()
+    os.chmod(exposed, 0o777)
+    result = subprocess.run(
+        [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(short_tmp / "st"), "--shm-dir", str(exposed),
+         "--socket", str(short_tmp / "s.sock")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert f"{exposed} is world-writable without the sticky bit" in result.stderr
+    assert list(exposed.iterdir()) == [], "nothing may be created in a directory the sidecar refuses"
