@@ -1,7 +1,7 @@
-"""Fixtures for the operator's cluster tests: the CheckpointPolicy CRD and a running operator.
+"""Fixtures and helpers for the operator's cluster tests: the CRD, a running operator, policies and pods.
 
 The operator runs as a local process with the settings the chart's Deployment
-gives it; the API server reaches it through a MutatingWebhookConfiguration
+gives it and the chart's RBAC; the API server reaches it through a MutatingWebhookConfiguration
 rendered from the chart, with only ``clientConfig`` switched from the chart's
 in-cluster Service to ``https://127.0.0.1:PORT`` (our API server has no
 cluster network to route a Service through).
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -19,14 +20,16 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
-from stowaway.operator import certificates
+from stowaway.operator import certificates, injection
 
 from .cluster import Cluster
 from .wait import eventually
@@ -99,25 +102,76 @@ def _webhook_answers(api: client.ApiClient) -> bool:
 
 
 @pytest.fixture(scope="session")
-def stowaway_operator(
-    k8s_cluster: Cluster, k8s_api: client.ApiClient, checkpointpolicy_crd: str, tmp_path_factory: pytest.TempPathFactory
+def operator_kubeconfig(
+    k8s_cluster: Cluster, k8s_api: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Path]:
-    """Run ``python -m stowaway.operator`` and register its webhook; yields the operator's log file."""
+    """A kubeconfig for a ServiceAccount bound to the chart's ClusterRole, rendered from the chart.
+
+    The operator under test authenticates with it, so a permission the chart
+    forgot fails the operator's tests. The names are unique: ``kubectl apply -f
+    deploy/`` in another test creates and deletes the chart's own.
+    """
+    name = f"stowaway-operator-{uuid.uuid4().hex[:6]}"
+    objects = [d for d in render(k8s_cluster) if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
+    assert sorted(d["kind"] for d in objects) == ["ClusterRole", "ClusterRoleBinding", "ServiceAccount"]
+    for doc in objects:
+        doc["metadata"]["name"] = name
+        if doc["kind"] == "ServiceAccount":
+            doc["metadata"]["namespace"] = name
+        if doc["kind"] == "ClusterRoleBinding":
+            doc["roleRef"]["name"] = name
+            (subject,) = doc["subjects"]
+            subject.update(name=name, namespace=name)
+    manifest = tmp_path_factory.mktemp("rbac") / "rbac.yaml"
+    manifest.write_text(yaml.safe_dump_all(objects))
+    core = client.CoreV1Api(k8s_api)
+    core.create_namespace({"metadata": {"name": name, "labels": {"stowaway.test": "true"}}})
+    try:
+        k8s_cluster.run("kubectl", "apply", "-f", str(manifest))
+        token = k8s_cluster.run("kubectl", "create", "token", name, "--namespace", name, "--duration", "6h").stdout
+        config = yaml.safe_load(k8s_cluster.kubeconfig.read_text())
+        config["users"] = [{"name": name, "user": {"token": token.strip()}}]
+        for context in config["contexts"]:
+            context["context"]["user"] = name
+        path = manifest.with_name("operator.kubeconfig")
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o600)
+        yield path
+    finally:
+        k8s_cluster.run("kubectl", "delete", "-f", str(manifest), "--ignore-not-found", "--wait=false", check=False)
+        core.delete_namespace(name)
+
+
+@dataclass(frozen=True)
+class RunningOperator:
+    """The operator process's log file and the base URL of its metrics endpoint."""
+
+    log: Path
+    metrics_url: str
+
+
+@pytest.fixture(scope="session")
+def stowaway_operator(
+    k8s_cluster: Cluster, k8s_api: client.ApiClient, checkpointpolicy_crd: str, operator_kubeconfig: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RunningOperator]:
+    """Run ``python -m stowaway.operator`` with the chart's RBAC and register its webhook."""
     if not k8s_cluster.managed:
         pytest.skip("the operator runs as a local process, which an external cluster's API server cannot call")
     folder = tmp_path_factory.mktemp("operator")
     made = certificates.self_signed(["127.0.0.1"])
     for name, pem in (("ca.crt", made.ca_pem), ("tls.crt", made.cert_pem), ("tls.key", made.key_pem)):
         (folder / name).write_bytes(pem)
-    port = _free_port()
+    port, metrics_port = _free_port(), _free_port()
     env = {
         **os.environ,
-        "KUBECONFIG": str(k8s_cluster.kubeconfig),
+        "KUBECONFIG": str(operator_kubeconfig),
         "STOWAWAY_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE,
         "STOWAWAY_SIDECAR_IMAGE": SIDECAR_IMAGE,
         "STOWAWAY_WEBHOOK_PORT": str(port),
         "STOWAWAY_WEBHOOK_CERT_DIR": str(folder),
         "STOWAWAY_HEALTH_PORT": str(_free_port()),
+        "STOWAWAY_METRICS_PORT": str(metrics_port),
     }
     log = folder / "operator.log"
     with log.open("wb") as sink:
@@ -139,7 +193,7 @@ def stowaway_operator(
             }
         admission.create_mutating_webhook_configuration(config)
         eventually(lambda: _webhook_answers(k8s_api), what="the API server to start calling the new webhook")
-        yield log
+        yield RunningOperator(log, f"http://127.0.0.1:{metrics_port}")
     finally:
         with contextlib.suppress(client.exceptions.ApiException):
             admission.delete_mutating_webhook_configuration(name)
@@ -149,3 +203,84 @@ def stowaway_operator(
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def create_policy(api: client.ApiClient, namespace: str, name: str = "default", **spec: Any) -> dict[str, Any]:
+    body = {
+        "apiVersion": "stowaway.dev/v1alpha1",
+        "kind": "CheckpointPolicy",
+        "metadata": {"name": name},
+        "spec": {"storage": {"persistentVolumeClaim": {"claimName": "ckpts"}}, **spec},
+    }
+    return client.CustomObjectsApi(api).create_namespaced_custom_object(
+        "stowaway.dev", "v1alpha1", namespace, "checkpointpolicies", body
+    )
+
+
+def read_policy(api: client.ApiClient, namespace: str, name: str = "default") -> dict[str, Any]:
+    return client.CustomObjectsApi(api).get_namespaced_custom_object(
+        "stowaway.dev", "v1alpha1", namespace, "checkpointpolicies", name
+    )
+
+
+def ready_condition(api: client.ApiClient, namespace: str, name: str = "default") -> dict[str, Any] | None:
+    policy = read_policy(api, namespace, name)
+    conditions = (policy.get("status") or {}).get("conditions") or []
+    found = [c for c in conditions if c["type"] == "Ready"]
+    return found[0] if found and found[0].get("observedGeneration") == policy["metadata"]["generation"] else None
+
+
+def create_bound_claim(api: client.ApiClient, namespace: str) -> None:
+    """A claim statically bound to a hostPath volume, so the scheduler can place pods using it."""
+    volume = f"pv-{uuid.uuid4().hex[:8]}"
+    core = client.CoreV1Api(api)
+    core.create_persistent_volume({
+        "metadata": {"name": volume},
+        "spec": {
+            "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+            "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": f"/tmp/{volume}"},
+            "claimRef": {"namespace": namespace, "name": "ckpts"},
+        },
+    })
+    core.create_namespaced_persistent_volume_claim(namespace, {
+        "metadata": {"name": "ckpts"},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": volume,
+                 "resources": {"requests": {"storage": "1Gi"}}},
+    })
+    eventually(lambda: core.read_namespaced_persistent_volume_claim("ckpts", namespace).status.phase == "Bound",
+               what="claim ckpts to be Bound")
+
+
+def training_pod(labelled: bool = True, **annotations: str) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "generateName": "train-",
+            "labels": {"batch.kubernetes.io/job-name": "train", **({injection.INJECT_LABEL: "enabled"} if labelled
+                                                                   else {})},
+            "annotations": annotations,
+        },
+        "spec": {
+            "automountServiceAccountToken": False,  # keep the stored volumes exactly ours
+            "restartPolicy": "Never",
+            "containers": [{"name": "trainer", "image": "pytorch", "env": [{"name": "EPOCHS", "value": "3"}]}],
+        },
+    }
+
+
+@pytest.fixture
+def ready_policy(k8s_api: client.ApiClient, k8s_namespace: str, stowaway_operator: RunningOperator) -> str:
+    """A namespace with a bound claim and a Ready CheckpointPolicy named default."""
+    create_bound_claim(k8s_api, k8s_namespace)
+    create_policy(k8s_api, k8s_namespace, sharedMemory={"sizeLimit": "2Gi"})
+    eventually(lambda: (ready_condition(k8s_api, k8s_namespace) or {}).get("status") == "True",
+               what="CheckpointPolicy default to be Ready")
+    return k8s_namespace
+
+
+def denial(api: client.ApiClient, namespace: str, pod: dict[str, Any]) -> str:
+    """The API server's message refusing ``pod``; fails the test if the pod was stored."""
+    with pytest.raises(ApiException) as caught:
+        client.CoreV1Api(api).create_namespaced_pod(namespace, pod)
+    message = json.loads(caught.value.body)["message"]
+    assert "admission webhook \"inject.stowaway.dev\" denied the request" in message
+    return message

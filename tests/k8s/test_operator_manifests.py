@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import base64
+import re
 import subprocess
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from kubernetes import client
 
+from stowaway.operator import injection
+
 from .cluster import Cluster
-from .operator_fixtures import CHART, CRD, REPO, checkpointpolicy_crd  # noqa: F401
+from .operator_fixtures import CHART, CRD, REPO, render
+from .wait import eventually
 
 pytestmark = pytest.mark.k8s
 
 DEPLOY = REPO / "deploy"
+DASHBOARD = CHART / "dashboards" / "stowaway-dashboard.json"
+MONITORING_CRDS = Path(__file__).with_name("monitoring-crds.yaml")
+MONITORS = ("monitoring.coreos.com/v1/PodMonitor", "monitoring.coreos.com/v1/ServiceMonitor")
 
 
 def test_every_copy_of_the_crd_is_identical_to_the_chart_source() -> None:
@@ -25,8 +33,10 @@ def test_every_copy_of_the_crd_is_identical_to_the_chart_source() -> None:
 def test_deploy_is_exactly_what_hack_render_deploy_generates(k8s_cluster: Cluster, tmp_path: Path) -> None:
     subprocess.run([str(REPO / "hack" / "render-deploy"), str(tmp_path)], check=True,
                    env={**k8s_cluster.cli_env(), "HELM": str(k8s_cluster.helm)})
-    for generated in sorted(tmp_path.iterdir()):
-        assert generated.read_text() == (DEPLOY / generated.name).read_text(), f"deploy/{generated.name} drifted: " \
+    generated = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*") if path.is_file())
+    assert Path("grafana/stowaway-dashboard.json") in generated
+    for name in generated:
+        assert (tmp_path / name).read_text() == (DEPLOY / name).read_text(), f"deploy/{name} drifted: " \
             "run hack/render-deploy"
 
 
@@ -44,7 +54,7 @@ def test_values_schema_rejects_a_bad_value(k8s_cluster: Cluster) -> None:
 
 
 def test_kubectl_apply_of_deploy_creates_the_operator_objects(
-    k8s_cluster: Cluster, k8s_api: client.ApiClient, checkpointpolicy_crd: str  # noqa: F811
+    k8s_cluster: Cluster, k8s_api: client.ApiClient, checkpointpolicy_crd: str
 ) -> None:
     manifest = str(DEPLOY / "10-stowaway.yaml")
     try:
@@ -60,7 +70,7 @@ def test_kubectl_apply_of_deploy_creates_the_operator_objects(
 
 
 def test_helm_install_provides_a_ca_bundle_that_survives_an_upgrade(
-    k8s_cluster: Cluster, k8s_api: client.ApiClient, k8s_namespace: str, checkpointpolicy_crd: str  # noqa: F811
+    k8s_cluster: Cluster, k8s_api: client.ApiClient, k8s_namespace: str, checkpointpolicy_crd: str
 ) -> None:
     release = f"r{uuid.uuid4().hex[:6]}"
     admission = client.AdmissionregistrationV1Api(k8s_api)
@@ -84,3 +94,125 @@ def test_helm_install_provides_a_ca_bundle_that_survives_an_upgrade(
 def test_the_example_job_passes_server_side_dry_run(k8s_cluster: Cluster, k8s_namespace: str) -> None:
     k8s_cluster.run("kubectl", "apply", "--dry-run=server", "-n", k8s_namespace,
                     "-f", str(DEPLOY / "examples" / "train-job.yaml"))
+
+
+def test_every_copy_of_the_dashboard_is_identical_to_the_chart_source() -> None:
+    assert (DEPLOY / "grafana" / "stowaway-dashboard.json").read_bytes() == DASHBOARD.read_bytes(), \
+        "run hack/render-deploy"
+
+
+def test_monitors_are_not_rendered_where_the_prometheus_operator_is_not_installed(k8s_cluster: Cluster) -> None:
+    kinds = {doc["kind"] for doc in render(k8s_cluster)}
+    assert "Deployment" in kinds
+    assert not kinds & {"PodMonitor", "ServiceMonitor"}
+
+
+def test_the_pod_monitor_scrapes_the_injected_sidecars_port_with_the_training_job_as_job(
+    k8s_cluster: Cluster,
+) -> None:
+    rendered = render(k8s_cluster, *(arg for api in MONITORS for arg in ("--api-versions", api)))
+    (pod_monitor,) = [d for d in rendered if d["kind"] == "PodMonitor"]
+    assert pod_monitor["spec"]["selector"] == {"matchLabels": {injection.INJECT_LABEL: injection.INJECT_ENABLED}}
+    assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
+    (endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == injection.METRICS_PORT_NAME
+    # Prometheus's service discovery names a pod label __meta_kubernetes_pod_label_<label, [^a-zA-Z0-9_] as _>.
+    discovered = "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", injection.JOB_LABEL)
+    assert {"sourceLabels": [discovered], "regex": "(.+)", "targetLabel": "job"} in endpoint["relabelings"]
+
+    (service_monitor,) = [d for d in rendered if d["kind"] == "ServiceMonitor"]
+    (service,) = [d for d in rendered if d["kind"] == "Service"]
+    labels = service["metadata"]["labels"]
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (scraped,) = service_monitor["spec"]["endpoints"]
+    assert scraped["port"] in {port["name"] for port in service["spec"]["ports"]}
+
+
+@pytest.fixture
+def monitoring_crds(k8s_cluster: Cluster, k8s_api: client.ApiClient) -> Iterator[None]:
+    """The stand-in Prometheus Operator CRDs, Established, and removed afterwards."""
+    k8s_cluster.run("kubectl", "apply", "--server-side", "-f", str(MONITORING_CRDS))
+    ext = client.ApiextensionsV1Api(k8s_api)
+
+    def established() -> bool:
+        return all(
+            any(c.type == "Established" and c.status == "True"
+                for c in ext.read_custom_resource_definition(name).status.conditions or [])
+            for name in ("podmonitors.monitoring.coreos.com", "servicemonitors.monitoring.coreos.com")
+        )
+
+    eventually(established, what="the monitoring CRDs to be Established")
+    yield
+    k8s_cluster.run("kubectl", "delete", "-f", str(MONITORING_CRDS), "--wait=false", "--ignore-not-found")
+
+
+def test_helm_install_creates_the_monitors_where_the_crds_exist_and_the_dashboard_config_map(
+    k8s_cluster: Cluster, k8s_api: client.ApiClient, k8s_namespace: str, checkpointpolicy_crd: str,
+    monitoring_crds: None,
+) -> None:
+    release = f"r{uuid.uuid4().hex[:6]}"
+    custom = client.CustomObjectsApi(k8s_api)
+    try:
+        k8s_cluster.run("helm", "install", release, str(CHART), "--namespace", k8s_namespace, "--skip-crds")
+        for plural in ("podmonitors", "servicemonitors"):
+            listed = custom.list_namespaced_custom_object("monitoring.coreos.com", "v1", k8s_namespace, plural)
+            assert [m["metadata"]["name"] for m in listed["items"]], f"helm install created no {plural}"
+        dashboard = client.CoreV1Api(k8s_api).read_namespaced_config_map(f"{release}-stowaway-dashboard",
+                                                                         k8s_namespace)
+        assert dashboard.metadata.labels["grafana_dashboard"] == "1"
+        assert dashboard.data == {"stowaway-dashboard.json": DASHBOARD.read_text()}
+    finally:
+        k8s_cluster.run("helm", "uninstall", release, "--namespace", k8s_namespace, check=False)
+
+
+# What the operator does (docs/operator.md), as `kubectl auth can-i` arguments, cluster-wide.
+OPERATOR_NEEDS = [
+    ("get", "checkpointpolicies.stowaway.dev"), ("list", "checkpointpolicies.stowaway.dev"),
+    ("watch", "checkpointpolicies.stowaway.dev"), ("patch", "checkpointpolicies.stowaway.dev", "--subresource=status"),
+    ("get", "persistentvolumeclaims"), ("list", "pods"), ("watch", "pods"),
+    ("list", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
+]
+# What it must never be able to do, even if compromised: change what users declared, read secrets, run code in
+# pods, or rewrite admission (its own webhook included).
+OPERATOR_MUST_NOT = [
+    ("patch", "checkpointpolicies.stowaway.dev"), ("delete", "checkpointpolicies.stowaway.dev"),
+    ("create", "pods"), ("delete", "pods"), ("patch", "pods"), ("create", "pods", "--subresource=exec"),
+    ("get", "secrets"), ("list", "secrets"), ("create", "serviceaccounts", "--subresource=token"),
+    ("patch", "mutatingwebhookconfigurations.admissionregistration.k8s.io"),
+    ("create", "validatingwebhookconfigurations.admissionregistration.k8s.io"),
+    ("update", "customresourcedefinitions.apiextensions.k8s.io"), ("delete", "persistentvolumeclaims"),
+    ("create", "clusterrolebindings.rbac.authorization.k8s.io"), ("escalate", "clusterroles.rbac.authorization.k8s.io"),
+    ("impersonate", "users"),
+]
+
+
+def test_the_operators_service_account_can_do_what_it_needs_and_nothing_it_must_not(
+    k8s_cluster: Cluster, k8s_namespace: str, checkpointpolicy_crd: str
+) -> None:
+    release = f"r{uuid.uuid4().hex[:6]}"
+    identity = f"system:serviceaccount:{k8s_namespace}:{release}-stowaway"
+    try:
+        k8s_cluster.run("helm", "install", release, str(CHART), "--namespace", k8s_namespace, "--skip-crds")
+
+        def can(*check: str) -> bool:
+            result = k8s_cluster.run("kubectl", "auth", "can-i", *check, "--all-namespaces", "--as", identity,
+                                     check=False)
+            assert result.stdout.strip() in ("yes", "no"), result.stdout + result.stderr
+            return result.stdout.strip() == "yes"
+
+        assert [check for check in OPERATOR_NEEDS if not can(*check)] == []
+        assert [check for check in OPERATOR_MUST_NOT if can(*check)] == []
+    finally:
+        k8s_cluster.run("helm", "uninstall", release, "--namespace", k8s_namespace, check=False)
+
+
+def test_helm_test_pod_checks_the_webhooks_tls_with_the_ca_the_webhook_trusts(k8s_cluster: Cluster) -> None:
+    rendered = render(k8s_cluster)  # render() does not skip tests, as `helm test` would create them
+    (pod,) = [d for d in rendered if (d["metadata"].get("annotations") or {}).get("helm.sh/hook") == "test"]
+    (secret,) = [d for d in rendered if d["kind"] == "Secret"]
+    (container,) = pod["spec"]["containers"]
+    assert pod["spec"]["volumes"] == [{"name": "webhook-tls", "secret": {"secretName": secret["metadata"]["name"]}}]
+    assert "cafile=\"/etc/stowaway/webhook-tls/ca.crt\"" in container["command"][-1]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"]
+    assert container["securityContext"]["readOnlyRootFilesystem"]

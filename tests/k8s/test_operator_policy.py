@@ -10,8 +10,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from .cluster import Cluster
-from .operator_fixtures import checkpointpolicy_crd  # noqa: F401
-from .test_operator_webhook import create_policy
+from .operator_fixtures import create_policy
 from .wait import eventually
 
 pytestmark = pytest.mark.k8s
@@ -55,13 +54,13 @@ CLAIM = {"persistentVolumeClaim": {"claimName": "ckpts"}}
     ],
 )
 def test_server_rejects_a_bad_policy_with_a_readable_message(
-    k8s_api: client.ApiClient, k8s_namespace: str, checkpointpolicy_crd: str, spec: dict[str, Any], says: str  # noqa: F811
+    k8s_api: client.ApiClient, k8s_namespace: str, checkpointpolicy_crd: str, spec: dict[str, Any], says: str
 ) -> None:
     assert says in rejection(k8s_api, k8s_namespace, spec)
 
 
 def test_kubectl_get_ckpol_shows_the_printer_columns(
-    k8s_cluster: Cluster, k8s_api: client.ApiClient, k8s_namespace: str, checkpointpolicy_crd: str  # noqa: F811
+    k8s_cluster: Cluster, k8s_api: client.ApiClient, k8s_namespace: str, checkpointpolicy_crd: str
 ) -> None:
     create_policy(k8s_api, k8s_namespace)
     table = k8s_cluster.run("kubectl", "get", "ckpol", "-n", k8s_namespace).stdout.split("\n")[0].split()

@@ -2,92 +2,23 @@
 
 from __future__ import annotations
 
-import json
-import uuid
-from pathlib import Path
-from typing import Any
-
 import pytest
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from stowaway.operator import injection
 
-from .operator_fixtures import SIDECAR_IMAGE, checkpointpolicy_crd, stowaway_operator  # noqa: F401
+from .operator_fixtures import (
+    SIDECAR_IMAGE,
+    RunningOperator,
+    create_policy,
+    denial,
+    read_policy,
+    ready_condition,
+    training_pod,
+)
 from .wait import eventually
 
 pytestmark = pytest.mark.k8s
-
-
-def create_policy(api: client.ApiClient, namespace: str, name: str = "default", **spec: Any) -> dict[str, Any]:
-    body = {
-        "apiVersion": "stowaway.dev/v1alpha1",
-        "kind": "CheckpointPolicy",
-        "metadata": {"name": name},
-        "spec": {"storage": {"persistentVolumeClaim": {"claimName": "ckpts"}}, **spec},
-    }
-    return client.CustomObjectsApi(api).create_namespaced_custom_object(
-        "stowaway.dev", "v1alpha1", namespace, "checkpointpolicies", body
-    )
-
-
-def read_policy(api: client.ApiClient, namespace: str, name: str = "default") -> dict[str, Any]:
-    return client.CustomObjectsApi(api).get_namespaced_custom_object(
-        "stowaway.dev", "v1alpha1", namespace, "checkpointpolicies", name
-    )
-
-
-def ready_condition(api: client.ApiClient, namespace: str, name: str = "default") -> dict[str, Any] | None:
-    policy = read_policy(api, namespace, name)
-    conditions = (policy.get("status") or {}).get("conditions") or []
-    found = [c for c in conditions if c["type"] == "Ready"]
-    return found[0] if found and found[0].get("observedGeneration") == policy["metadata"]["generation"] else None
-
-
-def create_bound_claim(api: client.ApiClient, namespace: str) -> None:
-    """A claim statically bound to a hostPath volume, so the scheduler can place pods using it."""
-    volume = f"pv-{uuid.uuid4().hex[:8]}"
-    core = client.CoreV1Api(api)
-    core.create_persistent_volume({
-        "metadata": {"name": volume},
-        "spec": {
-            "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
-            "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": f"/tmp/{volume}"},
-            "claimRef": {"namespace": namespace, "name": "ckpts"},
-        },
-    })
-    core.create_namespaced_persistent_volume_claim(namespace, {
-        "metadata": {"name": "ckpts"},
-        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": volume,
-                 "resources": {"requests": {"storage": "1Gi"}}},
-    })
-    eventually(lambda: core.read_namespaced_persistent_volume_claim("ckpts", namespace).status.phase == "Bound",
-               what="claim ckpts to be Bound")
-
-
-def training_pod(labelled: bool = True, **annotations: str) -> dict[str, Any]:
-    return {
-        "metadata": {
-            "generateName": "train-",
-            "labels": {"batch.kubernetes.io/job-name": "train", **({injection.INJECT_LABEL: "enabled"} if labelled
-                                                                   else {})},
-            "annotations": annotations,
-        },
-        "spec": {
-            "automountServiceAccountToken": False,  # keep the stored volumes exactly ours
-            "restartPolicy": "Never",
-            "containers": [{"name": "trainer", "image": "pytorch", "env": [{"name": "EPOCHS", "value": "3"}]}],
-        },
-    }
-
-
-@pytest.fixture
-def ready_policy(k8s_api: client.ApiClient, k8s_namespace: str, stowaway_operator: Path) -> str:  # noqa: F811
-    create_bound_claim(k8s_api, k8s_namespace)
-    create_policy(k8s_api, k8s_namespace, sharedMemory={"sizeLimit": "2Gi"})
-    eventually(lambda: (ready_condition(k8s_api, k8s_namespace) or {}).get("status") == "True",
-               what="CheckpointPolicy default to be Ready")
-    return k8s_namespace
 
 
 def test_a_good_policy_goes_ready_with_observed_generation(k8s_api: client.ApiClient, ready_policy: str) -> None:
@@ -100,7 +31,7 @@ def test_a_good_policy_goes_ready_with_observed_generation(k8s_api: client.ApiCl
 
 
 def test_a_policy_whose_claim_is_missing_is_not_ready_and_says_why(
-    k8s_api: client.ApiClient, k8s_namespace: str, stowaway_operator: Path  # noqa: F811
+    k8s_api: client.ApiClient, k8s_namespace: str, stowaway_operator: RunningOperator
 ) -> None:
     create_policy(k8s_api, k8s_namespace)
     condition = eventually(lambda: ready_condition(k8s_api, k8s_namespace), what="a Ready condition")
@@ -120,6 +51,7 @@ def test_a_labelled_pod_is_stored_with_the_sidecar_volumes_mounts_and_env_and_ru
         read_policy(k8s_api, ready_policy)["spec"], SIDECAR_IMAGE,
     )
     assert stored_dict["metadata"]["annotations"] == {injection.MARKER_ANNOTATION: "default"}
+    assert stored_dict["metadata"]["labels"][injection.JOB_LABEL] == "train"  # the PodMonitor's `job`
     assert stored_dict["spec"]["volumes"] == expected["spec"]["volumes"]
     (sidecar,) = stored_dict["spec"]["initContainers"]
     want = expected["spec"]["initContainers"][0]
@@ -161,9 +93,41 @@ def test_a_pod_that_already_carries_the_sidecar_is_not_injected_twice(
 
 
 def test_a_missing_policy_is_an_admission_error_that_names_it(k8s_api: client.ApiClient, ready_policy: str) -> None:
-    pod = training_pod(**{injection.POLICY_ANNOTATION: "no-such-policy"})
-    with pytest.raises(ApiException) as caught:
-        client.CoreV1Api(k8s_api).create_namespaced_pod(ready_policy, pod)
-    message = json.loads(caught.value.body)["message"]
-    assert "admission webhook \"inject.stowaway.dev\" denied the request" in message
+    message = denial(k8s_api, ready_policy, training_pod(**{injection.POLICY_ANNOTATION: "no-such-policy"}))
     assert "CheckpointPolicy 'no-such-policy' not found" in message
+
+
+def test_a_pod_forging_the_injected_marker_without_the_sidecar_is_refused(
+    k8s_api: client.ApiClient, ready_policy: str
+) -> None:
+    message = denial(k8s_api, ready_policy, training_pod(**{injection.MARKER_ANNOTATION: "default"}))
+    assert f"carries the annotation {injection.MARKER_ANNOTATION}, which only the Stowaway webhook sets" in message
+    assert f"no {injection.SIDECAR_NAME} container" in message
+
+
+def test_a_pod_mounting_the_policys_claim_into_its_trainer_is_refused(
+    k8s_api: client.ApiClient, ready_policy: str
+) -> None:
+    pod = training_pod()
+    pod["spec"]["volumes"] = [{"name": "mine", "persistentVolumeClaim": {"claimName": "ckpts"}}]
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "mine", "mountPath": "/ckpts"}]
+    message = denial(k8s_api, ready_policy, pod)
+    assert "container 'trainer' mounts the CheckpointPolicy's storage claim 'ckpts' (volume 'mine')" in message
+    assert "only the Stowaway sidecar may write it" in message
+
+
+def test_pods_injected_follows_pods_as_they_are_created_and_deleted(
+    k8s_api: client.ApiClient, ready_policy: str
+) -> None:
+    core = client.CoreV1Api(k8s_api)
+
+    def pods_injected() -> int | None:
+        return (read_policy(k8s_api, ready_policy).get("status") or {}).get("podsInjected")
+
+    assert pods_injected() == 0
+    names = [core.create_namespaced_pod(ready_policy, training_pod()).metadata.name for _ in range(2)]
+    eventually(lambda: pods_injected() == 2, what="status.podsInjected to count both new pods")
+    core.create_namespaced_pod(ready_policy, training_pod(labelled=False))  # not injected: not counted
+    core.delete_namespaced_pod(names[0], ready_policy, grace_period_seconds=0)
+    eventually(lambda: pods_injected() == 1, what="status.podsInjected to drop the deleted pod")
+    assert read_policy(k8s_api, ready_policy)["metadata"]["generation"] == 1  # no spec change drove the updates

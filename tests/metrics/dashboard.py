@@ -7,8 +7,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-PATH = Path(__file__).parents[2] / "deploy" / "grafana" / "stowaway-dashboard.json"
+# The source; deploy/grafana/ and the chart's ConfigMap are copies (tests/k8s check both).
+PATH = Path(__file__).parents[2] / "charts" / "stowaway" / "dashboards" / "stowaway-dashboard.json"
 SERIES = re.compile(r"\bstowaway_[a-z0-9_]+\b")
+# The operator's series: one operator per cluster, so its panels are not filtered by the sidecars' variables.
+OPERATOR_SERIES = "stowaway_operator_"
 # What Grafana puts in place of the variables when everything is selected.
 ALL_SELECTED = {"$__rate_interval": "5m", "$namespace": ".*", "$job": ".*"}
 
@@ -27,14 +30,27 @@ def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
-    """(where, PromQL) of every panel target and every query variable."""
-    found = [(panel["title"], target["expr"]) for panel in panels(dashboard) for target in panel.get("targets", [])]
+    """(where, PromQL) of every panel target over the sidecars' series, and of every query variable.
+
+    Split from :func:`operator_queries` because each returns data only from a
+    Prometheus that scraped its own kind of target.
+    """
+    found = [(where, expr) for where, expr in _targets(dashboard) if OPERATOR_SERIES not in expr]
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":
             selector = re.fullmatch(r"label_values\((.+), *\w+\)", variable["definition"])
             assert selector, f"variable {variable['name']}: {variable['definition']}"
             found.append((f"variable {variable['name']}", selector.group(1)))
     return found
+
+
+def operator_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(where, PromQL) of every panel target over the operator's series."""
+    return [(where, expr) for where, expr in _targets(dashboard) if OPERATOR_SERIES in expr]
+
+
+def _targets(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(panel["title"], target["expr"]) for panel in panels(dashboard) for target in panel.get("targets", [])]
 
 
 def with_all_selected(expr: str) -> str:

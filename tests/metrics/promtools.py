@@ -124,3 +124,9 @@ class PrometheusServer:
                 self.process.kill()
                 self.process.wait(timeout=30)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def check_metrics(exposition: str) -> subprocess.CompletedProcess[str]:
+    """``promtool check metrics`` of a scraped exposition (lint: names, units, help, types)."""
+    return subprocess.run([binary("promtool"), "check", "metrics"], input=exposition, capture_output=True, text=True,
+                          timeout=60)

@@ -7,6 +7,7 @@ import subprocess
 
 from metrics import dashboard
 from metrics.promtools import binary, http_get, sample_names
+from stowaway.operator import metrics as operator_metrics
 
 
 def test_the_dashboard_has_a_stable_uid_and_datasource_namespace_and_job_variables() -> None:
@@ -17,31 +18,42 @@ def test_the_dashboard_has_a_stable_uid_and_datasource_namespace_and_job_variabl
     assert {"namespace", "job"} <= set(variables)
     titles = {panel["title"] for panel in dashboard.panels(board)}
     assert {"Save blocking time", "Persist time", "Commit time", "Throughput", "Slot wait", "Failures by reason",
-            "Age of the last committed checkpoint", "Ranks connected", "Slots in flight"} <= titles
+            "Age of the last committed checkpoint", "Ranks connected", "Slots in flight", "Injections by result",
+            "Webhook latency", "Policy reconcile errors"} <= titles
 
 
-def test_every_panel_query_filters_by_namespace_and_job() -> None:
+def test_every_sidecar_panel_query_filters_by_namespace_and_job() -> None:
     board = dashboard.load()
     for panel in dashboard.panels(board):
         for target in panel.get("targets", []):
             for series in dashboard.SERIES.finditer(target["expr"]):
+                if series.group().startswith(dashboard.OPERATOR_SERIES):
+                    # The operator's job and namespace are its own, never a training job's.
+                    assert "$job" not in target["expr"], f"{panel['title']}: {target['expr']}"
+                    continue
                 assert target["expr"][series.end():].startswith('{namespace=~"$namespace", job=~"$job"}'), (
                     f"{panel['title']}: {series.group()} is not filtered by the variables: {target['expr']}"
                 )
 
 
-def test_every_query_names_only_series_a_real_sidecar_exposes(metrics_sidecar) -> None:
-    exposed = sample_names(http_get(f"{metrics_sidecar.url}/metrics").body)
-    for where, expr in dashboard.queries(dashboard.load()):
+def test_every_query_names_only_series_a_real_sidecar_or_the_operator_exposes(metrics_sidecar) -> None:
+    sidecar = sample_names(http_get(f"{metrics_sidecar.url}/metrics").body)
+    # The operator's own registry, as its /metrics serves it (tests/k8s/test_operator_metrics.py scrapes the process).
+    operator = sample_names(operator_metrics.OperatorMetrics().exposition()[0].decode())
+    board = dashboard.load()
+    for where, expr in dashboard.queries(board) + dashboard.operator_queries(board):
         named = set(dashboard.SERIES.findall(expr))
         assert named, f"{where} names no stowaway series: {expr}"
-        assert named <= exposed, f"{where} uses {sorted(named - exposed)}, which the sidecar does not expose"
+        assert named <= sidecar | operator, (
+            f"{where} uses {sorted(named - sidecar - operator)}, which neither the sidecar nor the operator exposes"
+        )
 
 
 def test_every_query_is_valid_promql_for_promtool(tmp_path) -> None:
+    board = dashboard.load()
     rules = {"groups": [{"name": "dashboard", "rules": [
         {"record": f"dashboard:query_{index}", "expr": dashboard.with_all_selected(expr)}
-        for index, (_, expr) in enumerate(dashboard.queries(dashboard.load()))
+        for index, (_, expr) in enumerate(dashboard.queries(board) + dashboard.operator_queries(board))
     ]}]}
     path = tmp_path / "rules.yml"
     path.write_text(json.dumps(rules))  # JSON is YAML

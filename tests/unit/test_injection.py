@@ -225,6 +225,40 @@ def test_a_pod_already_carrying_the_sidecar_without_the_marker_is_left_alone(whe
     assert injection.build_patch(pod, "default", policy_spec(), IMAGE) == {}
 
 
+def test_a_pod_carrying_the_marker_without_the_sidecar_is_refused() -> None:
+    pod = job_pod()
+    pod["metadata"]["annotations"] = {"stowaway.dev/injected": "default"}
+    with pytest.raises(injection.InjectionError, match="only the Stowaway webhook sets, but no stowaway-sidecar"):
+        injection.build_patch(pod, "default", policy_spec(), IMAGE)
+
+
+@pytest.mark.parametrize("where", ["containers", "initContainers"])
+def test_a_container_mounting_the_policys_claim_is_refused_with_both_named(where: str) -> None:
+    pod = job_pod(volumes=[{"name": "mine", "persistentVolumeClaim": {"claimName": "ckpts", "readOnly": True}}])
+    pod["spec"].setdefault(where, []).append(
+        {"name": "peek", "image": "busybox", "volumeMounts": [{"name": "mine", "mountPath": "/ckpts"}]}
+    )
+    with pytest.raises(injection.InjectionError, match="'peek' mounts the CheckpointPolicy's storage claim 'ckpts'"):
+        injection.build_patch(pod, "default", policy_spec(), IMAGE)
+
+
+def test_another_claim_and_the_claims_volume_left_unmounted_are_allowed() -> None:
+    pod = job_pod(volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "dataset"}},
+                           {"name": "unused", "persistentVolumeClaim": {"claimName": "ckpts"}}])
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": "/data"}]
+    assert injection.SIDECAR_NAME in [c["name"] for c in injected(pod)["spec"]["initContainers"]]
+
+
+def test_the_job_name_becomes_a_pod_label_for_prometheus_unless_it_is_no_valid_label_value() -> None:
+    assert injected()["metadata"]["labels"]["stowaway.dev/job"] == "train"
+    long = job_pod()
+    del long["metadata"]["labels"]["batch.kubernetes.io/job-name"]
+    long["metadata"]["generateName"] = "x" * 70 + "-"
+    result = injected(long)
+    assert "stowaway.dev/job" not in result["metadata"]["labels"]
+    assert {"name": "STOWAWAY_JOB", "value": "x" * 70} in result["spec"]["containers"][0]["env"]
+
+
 def test_a_user_mount_on_dev_shm_is_refused_with_the_container_named() -> None:
     pod = job_pod(volumes=[{"name": "shm", "emptyDir": {"medium": "Memory"}}])
     pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "shm", "mountPath": "/dev/shm"}]

@@ -58,14 +58,14 @@ def run(args: argparse.Namespace) -> int:
         start_new_session=True,
     )
     try:
-        _wait_for_socket(sidecar, socket_path)
+        wait_for_socket(sidecar, socket_path)
         env = dict(os.environ, STOWAWAY_SOCKET=str(socket_path), STOWAWAY_JOB=args.job,
                    STOWAWAY_STORAGE=str((args.storage / args.job).absolute()),
                    STOWAWAY_RUN_ID=uuid.uuid4().hex)
         print(f"stowaway: sidecar ready; running {' '.join(command)}", file=sys.stderr, flush=True)
         status = _run_command(command, env)
     finally:
-        _stop(sidecar, args.grace_period)
+        stop_sidecar(sidecar, args.grace_period)
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
     job_path = args.storage / args.job
@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
-def _wait_for_socket(sidecar: subprocess.Popen[bytes], path: Path) -> None:
+def wait_for_socket(sidecar: subprocess.Popen[bytes], path: Path) -> None:
+    """Return once the sidecar accepts connections; fail early if it exits first."""
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
         if sidecar.poll() is not None:
@@ -98,7 +99,8 @@ def _run_command(command: list[str], env: dict[str, str]) -> int:
         return child.wait()
 
 
-def _stop(sidecar: subprocess.Popen[bytes], grace: float) -> None:
+def stop_sidecar(sidecar: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM lets the sidecar finish its persists; it is killed only past the grace period."""
     if sidecar.poll() is None:
         sidecar.send_signal(signal.SIGTERM)
     try:

@@ -74,6 +74,7 @@ class Checkpointer:
         self.allow_pickle = allow_pickle
         self._run_id = run_id or os.environ.get("STOWAWAY_RUN_ID") or None
         self._slot_count = slots
+        self._encoder = codec.Encoder()
         self._cond = threading.Condition()
         self._pool: SlotPool | None = None
         self._connected = False
@@ -104,7 +105,7 @@ class Checkpointer:
         started = time.perf_counter()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        encoded = codec.encode(state, self.allow_pickle)
+        encoded = self._encoder.encode(state, self.allow_pickle)
         run = self._current_run_id()
         with self._cond:
             if step in self._handles:
@@ -118,7 +119,7 @@ class Checkpointer:
         assert slot.file is not None
         generation = slot.next_generation()
         header.begin_write(slot.file.header_view, generation)
-        codec.write_into(encoded, slot.payload())
+        codec.write_into(encoded, slot.payload(), slot.views_for(encoded.layout))
         header.finish_write(slot.file.header_view, step, generation, encoded.nbytes)
         blocking = time.perf_counter() - started
         handle = SaveHandle(step, self.rank, blocking, slot_wait, self.timeout)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from stowaway.format import codec
+from stowaway.format.safetensors_header import Layout, Placed
 from stowaway.slots import header, naming, shm
 
 HEADROOM = 1.10
@@ -36,6 +38,9 @@ class ClientSlot:
     generation: int = 0
     registered: bool = False
     _tensor: torch.Tensor | None = None
+    _views_placement: list[Placed] | None = None
+    _views_start: int = 0
+    _views: list[torch.Tensor] | None = None
 
     @property
     def capacity(self) -> int:
@@ -48,8 +53,21 @@ class ClientSlot:
             self._tensor = torch.frombuffer(self.file.payload(), dtype=torch.uint8)
         return self._tensor
 
+    def views_for(self, layout: Layout) -> list[torch.Tensor]:
+        """The payload views ``layout`` writes into, cached while the plan and the mapping stay the same.
+
+        Building a view costs microseconds per tensor, and a state has
+        thousands; the cache holds the placement itself, so an identity check
+        cannot match a different plan.
+        """
+        if self._views is None or self._views_placement is not layout.tensors or self._views_start != layout.data_start:
+            self._views = codec.targets(layout, self.payload())
+            self._views_placement, self._views_start = layout.tensors, layout.data_start
+        return self._views
+
     def drop_view(self) -> None:
         self._tensor = None
+        self._views = self._views_placement = None
 
     def next_generation(self) -> int:
         self.generation += 1

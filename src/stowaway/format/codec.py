@@ -36,27 +36,45 @@ class Encoded:
         return self.layout.total_bytes
 
 
-def encode(state: Any, allow_pickle: bool = False) -> Encoded:
-    flat = tree_mod.flatten(state, allow_pickle)
-    specs = [
-        st.TensorSpec(name, _TO_SAFETENSORS[tensor.dtype], tuple(tensor.shape))
-        for name, tensor in flat.tensors.items()
-    ]
-    metadata = {"format": "pt", TREE_METADATA_KEY: json.dumps(flat.tree, separators=(",", ":"))}
-    layout = st.plan(specs, metadata)
-    return Encoded(layout, [flat.tensors[item.spec.name] for item in layout.tensors])
+class Encoder:
+    """Plans layouts, reusing the previous plan while the state keeps its tensors' names, dtypes and shapes.
+
+    A training state keeps its structure from one save to the next; only
+    scalars such as step counters change. Planning a thousand tensors and
+    serializing their header entries costs milliseconds of Python, which
+    ``save`` would otherwise block on every time.
+    """
+
+    def __init__(self) -> None:
+        self._signature: list[tuple[str, torch.dtype, torch.Size]] = []
+        self._plan: st.Plan | None = None
+
+    def encode(self, state: Any, allow_pickle: bool = False) -> Encoded:
+        flat = tree_mod.flatten(state, allow_pickle)
+        # Compared element by element in C: names, dtypes and torch.Size are all built-in comparisons.
+        signature = [(name, tensor.dtype, tensor.shape) for name, tensor in flat.tensors.items()]
+        if self._plan is None or signature != self._signature:
+            specs = [st.TensorSpec(name, _TO_SAFETENSORS[dtype], tuple(shape)) for name, dtype, shape in signature]
+            self._signature, self._plan = signature, st.plan(specs)
+        metadata = {"format": "pt", TREE_METADATA_KEY: json.dumps(flat.tree, separators=(",", ":"))}
+        layout = self._plan.layout(metadata)
+        return Encoded(layout, [flat.tensors[item.spec.name] for item in layout.tensors])
 
 
-def write_into(encoded: Encoded, payload: torch.Tensor) -> None:
-    """Fill ``payload`` (a uint8 tensor over the slot) with the file image."""
+def targets(layout: st.Layout, payload: torch.Tensor) -> list[torch.Tensor]:
+    """Views of ``payload`` where each non-empty tensor of ``layout`` goes, in layout order."""
+    base = layout.data_start
+    return [_view(payload, base + item.begin, item) for item in layout.tensors if item.begin != item.end]
+
+
+def write_into(encoded: Encoded, payload: torch.Tensor, views: list[torch.Tensor]) -> None:
+    """Fill ``payload`` (a uint8 tensor over the slot) with the file image; ``views`` come from ``targets``."""
     header = encoded.layout.header
     payload[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    base = encoded.layout.data_start
-    for item, source in zip(encoded.layout.tensors, encoded.sources, strict=True):
-        if item.begin == item.end:
-            continue
-        target = _view(payload, base + item.begin, item)
-        target.copy_(source)
+    sources = [source for item, source in zip(encoded.layout.tensors, encoded.sources, strict=True)
+               if item.begin != item.end]
+    with torch.no_grad():
+        torch._foreach_copy_(views, sources)
 
 
 def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickle: bool = False) -> Any:

@@ -12,7 +12,9 @@ import struct
 from dataclasses import dataclass
 
 METADATA_KEY = "__metadata__"
-DATA_ALIGNMENT = 64
+# The data starts on a page boundary: a header that grows by a few bytes (a step counter gaining a
+# digit) then rarely moves the data, so cached views of a slot stay valid from one save to the next.
+DATA_ALIGNMENT = 4096
 MAX_HEADER_BYTES = 100 * 2**20
 
 ELEMENT_BYTES = {
@@ -63,22 +65,37 @@ class Layout:
         return self.data_start + (self.tensors[-1].end if self.tensors else 0)
 
 
-def plan(specs: list[TensorSpec], metadata: dict[str, str]) -> Layout:
+@dataclass(frozen=True)
+class Plan:
+    """Where every tensor goes, with its header entries serialized once; ``layout`` adds the metadata."""
+
+    tensors: list[Placed]
+    entries_json: str
+
+    def layout(self, metadata: dict[str, str]) -> Layout:
+        fields = [json.dumps(METADATA_KEY) + ":" + json.dumps(metadata, separators=(",", ":"))]
+        if self.entries_json:
+            fields.append(self.entries_json)
+        body = ("{" + ",".join(fields) + "}").encode()
+        padded = -(-(8 + len(body)) // DATA_ALIGNMENT) * DATA_ALIGNMENT - 8
+        body += b" " * (padded - len(body))
+        return Layout(struct.pack("<Q", len(body)) + body, self.tensors, metadata)
+
+
+def plan(specs: list[TensorSpec]) -> Plan:
     """Place tensors largest element first, so every offset is aligned to its element size."""
     ordered = sorted(specs, key=lambda spec: (-ELEMENT_BYTES[spec.dtype], spec.name))
     placed, offset = [], 0
     for spec in ordered:
         placed.append(Placed(spec, offset, offset + spec.nbytes))
         offset += spec.nbytes
-    entries: dict[str, object] = {METADATA_KEY: metadata}
-    for item in placed:
-        entries[item.spec.name] = {
+    entries = {
+        item.spec.name: {
             "dtype": item.spec.dtype, "shape": list(item.spec.shape), "data_offsets": [item.begin, item.end],
         }
-    body = json.dumps(entries, separators=(",", ":")).encode()
-    padded = -(-(8 + len(body)) // DATA_ALIGNMENT) * DATA_ALIGNMENT - 8
-    body += b" " * (padded - len(body))
-    return Layout(struct.pack("<Q", len(body)) + body, placed, metadata)
+        for item in placed
+    }
+    return Plan(placed, json.dumps(entries, separators=(",", ":"))[1:-1])
 
 
 def parse(buffer: memoryview | bytes, available: int) -> Layout:

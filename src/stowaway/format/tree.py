@@ -43,12 +43,21 @@ class _Flattener:
         self._names_by_identity: dict[tuple[Any, ...], str] = {}
 
     def node(self, value: Any, path: Path) -> Any:
+        # Exact-type checks first: a training state is mostly dicts, tensors and ints, and save()
+        # walks it every time, so the common cases must not pay for the whole chain below.
+        kind = type(value)
+        if kind is torch.Tensor:
+            return self._tensor(value, path)
+        if kind is dict or kind is OrderedDict:
+            return self._mapping(value, path)
+        if kind is int or kind is str or kind is bool or value is None:
+            return {"v": value}
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path)
         if isinstance(value, np.ndarray):
             stored = self._tensor(_numpy_as_tensor(value, path), path)["T"]
             return {"N": stored, "nd": value.dtype.str, "sh": list(value.shape)}
-        if value is None or isinstance(value, bool | int | str):
+        if isinstance(value, bool | int | str):
             return {"v": value}
         if isinstance(value, float):
             return {"v": value} if math.isfinite(value) else {"f": repr(value)}
@@ -56,11 +65,9 @@ class _Flattener:
             return {"S": list(value)}
         if isinstance(value, torch.dtype):
             return {"dt": str(value).removeprefix("torch.")}
-        if type(value) in (dict, OrderedDict):
-            return self._mapping(value, path)
-        if type(value) in (list, tuple):
-            kind = "l" if type(value) is list else "t"
-            return {kind: [self.node(item, (*path, index)) for index, item in enumerate(value)]}
+        if kind in (list, tuple):
+            tag = "l" if kind is list else "t"
+            return {tag: [self.node(item, (*path, index)) for index, item in enumerate(value)]}
         if self.allow_pickle:
             blob = np.frombuffer(pickle.dumps(value), dtype=np.uint8).copy()
             return {"pk": self._tensor(torch.from_numpy(blob), path)["T"]}
@@ -93,22 +100,21 @@ class _Flattener:
             )
         if tensor.dtype not in _STORABLE_DTYPES:
             raise UnsupportedState(f"tensor at {_show(path)} has dtype {tensor.dtype}, which Stowaway cannot store")
-        identity = (
-            tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-            tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
-        )
+        # data_ptr() already includes the storage offset; with shape, strides and dtype it tells
+        # tied tensors (one object, or two views of the same elements) from distinct ones.
+        identity = (tensor.data_ptr(), tensor.device, tensor.dtype, tensor.shape, tensor.stride())
         name = self._names_by_identity.get(identity)
         if name is None:
             name = self._unique_name(path)
             self._names_by_identity[identity] = name
-            self.tensors[name] = tensor.detach()
+            self.tensors[name] = tensor
         encoded: dict[str, Any] = {"T": name}
-        if isinstance(tensor, torch.nn.Parameter):
+        if type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter):
             encoded["P"] = int(tensor.requires_grad)
         return encoded
 
     def _unique_name(self, path: Path) -> str:
-        base = ".".join(str(part) for part in path) or "tensor"
+        base = ".".join(map(str, path)) or "tensor"
         name, counter = base, 1
         while name in self.tensors or name == "__metadata__":
             counter += 1

@@ -8,7 +8,7 @@ import sys
 import kopf
 
 from stowaway.operator import main as _handlers  # noqa: F401  (importing registers the kopf handlers)
-from stowaway.operator import settings
+from stowaway.operator import metrics, settings
 
 
 def run() -> int:
@@ -17,11 +17,18 @@ def run() -> int:
     except settings.SettingsError as exc:
         print(f"stowaway operator: {exc}", file=sys.stderr)
         return 2
+    exported = metrics.OperatorMetrics()
+    try:
+        exported.serve(config.metrics_port)
+    except OSError as exc:
+        print(f"stowaway operator: cannot serve metrics on STOWAWAY_METRICS_PORT={config.metrics_port}: {exc}",
+              file=sys.stderr)
+        return 2
     kopf.configure(verbose=False)
     kopf.run(
         clusterwide=True,
         standalone=True,
-        memo=kopf.Memo(config=config),
+        memo=kopf.Memo(config=config, metrics=exported),
         liveness_endpoint=f"http://0.0.0.0:{config.health_port}/healthz",
     )
     return 0

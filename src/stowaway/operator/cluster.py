@@ -50,3 +50,14 @@ def count_injected(api: client.ApiClient, namespace: str, name: str) -> int:
         namespace, label_selector=f"{injection.INJECT_LABEL}={injection.INJECT_ENABLED}"
     ).items
     return sum(1 for p in pods if (p.metadata.annotations or {}).get(injection.MARKER_ANNOTATION) == name)
+
+
+def set_pods_injected(api: client.ApiClient, namespace: str, name: str, count: int) -> None:
+    """Store the count in the policy's status; a policy deleted meanwhile has no status to keep."""
+    try:
+        client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
+            policy.GROUP, policy.VERSION, namespace, policy.PLURAL, name, {"status": {"podsInjected": count}}
+        )
+    except ApiException as exc:
+        if exc.status != 404:
+            raise

@@ -9,6 +9,7 @@ rule below is unit-tested without a cluster.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,8 +19,14 @@ POLICY_ANNOTATION = "stowaway.dev/policy"
 DEFAULT_POLICY = "default"
 # Present on every injected Pod, valued with the policy's name: the idempotency marker.
 MARKER_ANNOTATION = "stowaway.dev/injected"
+# The job's name (as in STOWAWAY_JOB) as a pod label, so the chart's PodMonitor can make it Prometheus's `job`.
+JOB_LABEL = "stowaway.dev/job"
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+LABEL_VALUE_MAX = 63
 
 SIDECAR_NAME = "stowaway-sidecar"
+# The sidecar's metrics port; the chart's PodMonitor scrapes ports of this name.
+METRICS_PORT_NAME = "ckpt-metrics"
 SHM_VOLUME = "stowaway-shm"
 SOCKET_VOLUME = "stowaway-socket"
 STORAGE_VOLUME = "stowaway-storage"
@@ -69,17 +76,30 @@ def policy_name(pod: Mapping[str, Any]) -> str:
 
 
 def already_injected(pod: Mapping[str, Any]) -> bool:
-    """True if the marker or the sidecar itself is present (in containers or initContainers).
+    """True if the sidecar itself is present (in containers or initContainers).
 
-    Both are checked: a reinvoked webhook sees its own marker, while a Pod copied
-    from an injected one may carry the sidecar without the marker.
+    A reinvoked webhook sees its own sidecar, and a Pod copied from an injected
+    one carries it too. The marker alone does not count (see :func:`refuse_forged_marker`).
     """
-    annotations = pod.get("metadata", {}).get("annotations") or {}
-    if MARKER_ANNOTATION in annotations:
-        return True
     spec = pod.get("spec", {})
     containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
     return any(c.get("name") == SIDECAR_NAME for c in containers)
+
+
+def refuse_forged_marker(pod: Mapping[str, Any]) -> None:
+    """Refuse a Pod that carries the marker without the sidecar.
+
+    Only the webhook sets the marker, always together with the sidecar. Without
+    this check the marker would be a way to opt out while looking injected: the
+    pod would run with no checkpoints, and count in the policy's ``podsInjected``.
+    """
+    annotations = pod.get("metadata", {}).get("annotations") or {}
+    if MARKER_ANNOTATION in annotations and not already_injected(pod):
+        raise InjectionError(
+            f"the pod carries the annotation {MARKER_ANNOTATION}, which only the Stowaway webhook sets, but no "
+            f"{SIDECAR_NAME} container; remove the annotation (was the pod copied from an injected one?) and the "
+            "sidecar is injected (see docs/operator.md)"
+        )
 
 
 def job_name(pod: Mapping[str, Any]) -> str:
@@ -111,13 +131,15 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
     diffs them against the submitted Pod into a JSON patch. Existing settings of
     the user win: an env var the container already sets is left alone.
     """
+    refuse_forged_marker(pod)
     if already_injected(pod):
         return {}
     pod_spec = pod.get("spec", {})
-    _refuse_conflicts(pod_spec)
+    _refuse_conflicts(pod_spec, spec["storage"]["persistentVolumeClaim"]["claimName"])
+    job = job_name(pod)
     client_env = [
         {"name": "STOWAWAY_SOCKET", "value": SOCKET_PATH},
-        {"name": "STOWAWAY_JOB", "value": job_name(pod)},
+        {"name": "STOWAWAY_JOB", "value": job},
         {"name": "STOWAWAY_SLOTS_PER_RANK", "value": str(spec["sharedMemory"]["slotsPerRank"])},
     ]
     containers = [_with_client_mounts(c, client_env) for c in pod_spec.get("containers") or []]
@@ -134,6 +156,9 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
     }
     if init_containers:
         patch["spec"]["initContainers"] = init_containers
+    if len(job) <= LABEL_VALUE_MAX and LABEL_VALUE.fullmatch(job):
+        # A generateName too long or odd for a label value leaves Prometheus's job to the PodMonitor's default.
+        patch["metadata"]["labels"] = {JOB_LABEL: job}
     shared_group = _shared_group(pod_spec)
     if shared_group:
         patch["spec"]["securityContext"] = shared_group
@@ -157,8 +182,17 @@ def _shared_group(pod_spec: Mapping[str, Any]) -> dict[str, Any]:
     return shared
 
 
-def _refuse_conflicts(pod_spec: Mapping[str, Any]) -> None:
-    """Refuse a Pod whose own volumes or mounts would collide with ours, rather than inject a broken one."""
+def _refuse_conflicts(pod_spec: Mapping[str, Any], claim: str) -> None:
+    """Refuse a Pod whose own volumes or mounts would collide with ours, rather than inject a broken one.
+
+    The policy's claim is the sidecar's alone: a trainer writing into it could
+    corrupt or delete committed checkpoints behind the sidecar's retention and
+    commit protocol, so a Pod that mounts it itself is refused too.
+    """
+    claim_volumes = {
+        v.get("name") for v in pod_spec.get("volumes") or []
+        if (v.get("persistentVolumeClaim") or {}).get("claimName") == claim
+    }
     taken = {v.get("name") for v in pod_spec.get("volumes") or []} & set(OUR_VOLUMES)
     if taken:
         raise InjectionError(
@@ -167,6 +201,12 @@ def _refuse_conflicts(pod_spec: Mapping[str, Any]) -> None:
         )
     for container in [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]:
         for mount in container.get("volumeMounts") or []:
+            if mount.get("name") in claim_volumes:
+                raise InjectionError(
+                    f"container {container.get('name')!r} mounts the CheckpointPolicy's storage claim {claim!r} "
+                    f"(volume {mount['name']!r}); only the Stowaway sidecar may write it: remove that mount and "
+                    "read checkpoints with the client's load() (see docs/operator.md)"
+                )
             if mount.get("mountPath", "").rstrip("/") in (SHM_PATH, SOCKET_DIR):
                 raise InjectionError(
                     f"container {container.get('name')!r} already mounts {mount['mountPath']} (volume "
@@ -227,7 +267,7 @@ def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image
         "image": sidecar_spec.get("image") or default_image,
         "command": command,
         "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}}],
-        "ports": [{"name": "ckpt-metrics", "containerPort": sidecar_spec["metricsPort"], "protocol": "TCP"}],
+        "ports": [{"name": METRICS_PORT_NAME, "containerPort": sidecar_spec["metricsPort"], "protocol": "TCP"}],
         "resources": copy.deepcopy(sidecar_spec.get("resources") or {}),
         "volumeMounts": [
             {"name": SHM_VOLUME, "mountPath": SHM_PATH},

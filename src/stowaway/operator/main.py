@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     if config.dev_host:
         settings.admission.managed = "stowaway-dev.stowaway.dev"
     memo.api = cluster.connect()
+    # Set on the memo kopf copies (shallowly) to every object's handlers, so pod events share the locks.
+    memo.count_locks = {}
 
 
 def _webhook_server(config: OperatorSettings) -> kopf.WebhookServer:
@@ -54,12 +57,29 @@ def _webhook_server(config: OperatorSettings) -> kopf.WebhookServer:
     labels={injection.INJECT_LABEL: injection.INJECT_ENABLED}, side_effects=False, ignore_failures=False,
 )
 async def inject(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    started = time.monotonic()
+    result = "error"
+    try:
+        result = await _inject(body, patch, memo)
+    except kopf.AdmissionError:
+        result = "denied"
+        raise
+    finally:
+        memo.metrics.admitted(result, time.monotonic() - started)
+
+
+async def _inject(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> str:
+    """Fill ``patch`` and say what was done, as one of :data:`metrics.RESULTS`."""
     namespace = body.metadata.namespace
     if namespace in NEVER_INJECTED or namespace == memo.config.namespace:
-        return
+        return "skipped"
     pod = dict(body)
+    try:
+        injection.refuse_forged_marker(pod)
+    except injection.InjectionError as exc:
+        raise kopf.AdmissionError(f"cannot inject the Stowaway sidecar: {exc}", code=400) from None
     if injection.already_injected(pod):
-        return
+        return "already_injected"
     name = injection.policy_name(pod)
     found = await asyncio.to_thread(cluster.read_policy, memo.api, namespace, name)
     if found is None:
@@ -78,6 +98,7 @@ async def inject(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) 
     except injection.InjectionError as exc:
         raise kopf.AdmissionError(f"cannot inject the Stowaway sidecar: {exc}", code=400) from None
     patch.update(fragment)
+    return "injected"
 
 
 @kopf.on.event(policy.GROUP, policy.VERSION, policy.PLURAL)
@@ -85,7 +106,35 @@ async def policy_changed(event: kopf.RawEvent, body: kopf.Body, patch: kopf.Patc
                          **_: Any) -> None:
     if event.get("type") not in (None, "ADDED", "MODIFIED"):
         return
-    await _refresh_status(body, patch, memo)
+    try:
+        await _refresh_status(body, patch, memo)
+    except Exception:
+        memo.metrics.reconcile_errors.inc()
+        raise
+
+
+@kopf.on.event(
+    "v1", "pods", labels={injection.INJECT_LABEL: injection.INJECT_ENABLED},
+    annotations={injection.MARKER_ANNOTATION: kopf.PRESENT},
+)
+async def injected_pod_came_or_went(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Keep the policy's ``podsInjected`` true as its pods are created and deleted.
+
+    Only ADDED and DELETED change the count (the startup listing, type None, is
+    already counted by each policy's own first event). Counting and writing
+    happen under one lock per policy, so the last write carries the newest count.
+    """
+    if event.get("type") not in ("ADDED", "DELETED"):
+        return
+    namespace, name = body.metadata.namespace, body.metadata.annotations[injection.MARKER_ANNOTATION]
+    lock = memo.count_locks.setdefault((namespace, name), asyncio.Lock())
+    try:
+        async with lock:
+            count = await asyncio.to_thread(cluster.count_injected, memo.api, namespace, name)
+            await asyncio.to_thread(cluster.set_pods_injected, memo.api, namespace, name, count)
+    except Exception:
+        memo.metrics.reconcile_errors.inc()
+        raise
 
 
 async def _refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:

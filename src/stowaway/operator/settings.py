@@ -25,6 +25,8 @@ class OperatorSettings:
     # Directory with tls.crt and tls.key (a mounted Secret); None only in dev mode.
     cert_dir: Path | None
     health_port: int
+    # Prometheus /metrics of the operator itself (the sidecars serve their own).
+    metrics_port: int
     # Local development: kopf registers its own MutatingWebhookConfiguration with this host.
     dev_host: str | None
 
@@ -44,6 +46,7 @@ def from_environ(environ: Mapping[str, str]) -> OperatorSettings:
         webhook_port=_port(environ, "STOWAWAY_WEBHOOK_PORT", 8443),
         cert_dir=None if cert_dir is None else Path(cert_dir),
         health_port=_port(environ, "STOWAWAY_HEALTH_PORT", 8080),
+        metrics_port=_port(environ, "STOWAWAY_METRICS_PORT", 9464),
         dev_host=dev_host,
     )
 

@@ -130,6 +130,8 @@ class Committer:
                 return
             if missing is None:
                 self._finish(pending)
+                if coordinator:
+                    await self._apply_retention(pending)
                 return
             if time.monotonic() >= deadline:
                 self.fail(
@@ -170,10 +172,21 @@ class Committer:
         job_path = self.job_path(pending.job)
         if pending.step >= max(catalog.committed_steps(job_path), default=-1):
             durable.write_atomic(job_path / layout.LATEST, f"{pending.step}\n".encode())
-        retention.apply(
-            job_path, self._config.keep_last, self._config.keep_every,
-            self._config.commit_timeout, self.busy_steps(pending.job) - {pending.step},
-        )
+
+    async def _apply_retention(self, pending: PendingStep) -> None:
+        """Delete what retention drops, after the ranks heard of the commit: deleting gigabytes takes a while."""
+        busy = self.busy_steps(pending.job)
+
+        def apply() -> None:
+            with self._storage_lock:
+                retention.apply(self.job_path(pending.job), self._config.keep_last, self._config.keep_every,
+                                self._config.commit_timeout, busy)
+
+        try:
+            await asyncio.to_thread(apply)
+        except OSError as exc:
+            log.warning("retention after step %d of job %s failed, will retry after the next commit: %s",
+                        pending.step, pending.job, exc)
 
     def _missing_manifest(self, pending: PendingStep, step_path: Path) -> str | None:
         try:

@@ -5,9 +5,7 @@ Two phases, so that the rank gets its slot back as early as possible:
 the sidecar then releases the slot and calls ``make_durable`` (fdatasync,
 rename, directory fsync), which no longer reads shared memory.
 
-After copying, the slot header is read again: if the generation moved, some
-writer broke the ownership rule, and the copy is thrown away rather than
-committed torn.
+Writes go straight from the slot's mapping to the device (``storage.direct_io``).
 """
 
 from __future__ import annotations
@@ -21,10 +19,8 @@ from pathlib import Path
 
 from stowaway.slots import header
 from stowaway.slots.shm import SlotFile
-from stowaway.storage import checksum, durable
+from stowaway.storage import direct_io, durable
 from stowaway.storage.layout import TMP_SUFFIX
-
-CHUNK_BYTES = 8 * 2**20
 
 
 class PersistError(Exception):
@@ -105,20 +101,12 @@ def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Pat
         raise classify(exc, final.parent) from exc
     tmp = final.with_name(final.name + TMP_SUFFIX)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, durable.FILE_MODE)
+        fd = direct_io.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, durable.FILE_MODE)
     except OSError as exc:
         raise classify(exc, tmp) from exc
     written = Written(tmp, final, fd, nbytes, "")
     try:
-        hasher = checksum.new()
-        payload = slot.payload(nbytes)
-        for begin in range(0, nbytes, CHUNK_BYTES):
-            chunk = payload[begin : begin + CHUNK_BYTES]
-            limiter.acquire(len(chunk))
-            hasher.update(chunk)
-            while chunk:
-                chunk = chunk[os.write(fd, chunk) :]
-        written.digest = hasher.hexdigest()
+        written.digest = direct_io.write_from(fd, slot.payload(), nbytes, limiter.acquire)
         after = slot.read_header()
         if not after.complete or after.generation != generation:
             raise PersistError(

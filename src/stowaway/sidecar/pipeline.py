@@ -57,6 +57,7 @@ class SavePipeline:
                     persister.copy_out, state.slots[slot_index], step, request["generation"],
                     request["nbytes"], final, self._limiter,
                 )
+                state.memory_digests[slot_index] = (request["generation"], step, written.digest)
                 state.busy.discard(slot_index)
                 state.send({"type": "released", "slot": slot_index, "step": step,
                             "generation": request["generation"]})

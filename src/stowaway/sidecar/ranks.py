@@ -28,7 +28,9 @@ class RankState:
     slots: dict[int, SlotFile] = field(default_factory=dict)
     busy: set[int] = field(default_factory=set)
     session: Session | None = None
-    memory_digests: dict[tuple[int, int, int], str] = field(default_factory=dict)
+    # Slot index -> (generation, step, xxh3-64) of the payload it was last known to hold, so that
+    # load() does not hash a slot the persist (or a stage) has just hashed. One entry per slot.
+    memory_digests: dict[int, tuple[int, int, str]] = field(default_factory=dict)
 
     def send(self, message: dict[str, Any]) -> None:
         """Deliver to the rank's current connection; a rank that is gone gets nothing."""

@@ -15,10 +15,9 @@ from stowaway.sidecar.persister import PersistError
 from stowaway.sidecar.ranks import RankState
 from stowaway.slots import header
 from stowaway.slots.shm import SlotFile
-from stowaway.storage import catalog, checksum, layout, manifest
+from stowaway.storage import catalog, checksum, direct_io, layout, manifest
 
 MAX_LISTED_STEPS = 64
-CHUNK_BYTES = 16 * 2**20
 
 
 def inventory(job_path: Path, state: RankState) -> dict[str, Any]:
@@ -51,13 +50,14 @@ def _slot_holding(state: RankState, step: int, entry: manifest.FileEntry) -> int
             continue
         if not found.complete or found.step != step or found.payload_nbytes != entry.bytes:
             continue
-        key = (index, found.generation, step)
-        digest = state.memory_digests.get(key)
-        if digest is None:
+        known = state.memory_digests.get(index)
+        if known is not None and known[:2] == (found.generation, step):
+            digest = known[2]
+        else:
             digest = checksum.of_bytes(slot.payload(found.payload_nbytes))
             if slot.read_header().generation != found.generation:
                 continue
-            state.memory_digests[key] = digest
+            state.memory_digests[index] = (found.generation, step, digest)
         if digest == entry.xxh3_64:
             return index
     return None
@@ -78,23 +78,14 @@ def stage(job_path: Path, state: RankState, slot: SlotFile, step: int) -> tuple[
     current = slot.read_header()
     generation = current.generation + 1
     header.begin_write(slot.header_view, generation)
-    hasher = checksum.new()
-    payload = slot.payload(entry.bytes)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = direct_io.open_file(path, os.O_RDONLY)
         try:
-            offset = 0
-            while offset < entry.bytes:
-                count = os.readv(fd, [payload[offset : offset + CHUNK_BYTES]])
-                if count == 0:
-                    break
-                hasher.update(payload[offset : offset + count])
-                offset += count
+            offset, digest = direct_io.read_into(fd, slot.payload(), entry.bytes)
         finally:
             os.close(fd)
     except OSError as exc:
         raise PersistError("restore_io", f"cannot read {path}: {exc.strerror}") from exc
-    digest = hasher.hexdigest()
     if offset != entry.bytes or digest != entry.xxh3_64:
         raise PersistError(
             "restore_corrupt",
@@ -102,7 +93,7 @@ def stage(job_path: Path, state: RankState, slot: SlotFile, step: int) -> tuple[
             f"bytes with {entry.xxh3_64}; run `stowaway verify {job_path}` for details",
         )
     header.finish_write(slot.header_view, step, generation, entry.bytes)
-    state.memory_digests[(_index_of(state, slot), generation, step)] = digest
+    state.memory_digests[_index_of(state, slot)] = (generation, step, digest)
     return generation, entry.bytes
 
 

@@ -1,0 +1,103 @@
+"""``python -m bench``: every configuration, each with its own sidecar, then the JSON and markdown report.
+
+Sizes are totals across the local ranks, so the same bytes are compared from
+1 to 8 ranks. All shared memory and scratch files are removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench import report, system
+from stowaway.cli import run_cmd
+
+ROOT = Path(__file__).resolve().parents[1]
+UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in UNITS:
+        return int(float(text[:-1]) * UNITS[text[-1]])
+    return int(text)
+
+
+def run_config(total: int, ranks: int, reps: int, storage: Path) -> dict[str, object]:
+    workdir = Path(tempfile.mkdtemp(prefix="stwb-", dir="/tmp"))
+    shm_dir = Path(tempfile.mkdtemp(prefix="stowaway-bench-", dir="/dev/shm"))
+    scratch = storage / "scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    socket_path = workdir / "s.sock"
+    out = workdir / "result.json"
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(storage / "checkpoints"),
+         "--socket", str(socket_path), "--shm-dir", str(shm_dir), "--keep-last", str(reps + 2),
+         "--log-level", "WARNING"],
+        start_new_session=True,
+    )
+    try:
+        run_cmd.wait_for_socket(sidecar, socket_path)
+        env = dict(os.environ, STOWAWAY_SOCKET=str(socket_path), STOWAWAY_JOB=f"bench-{total}-{ranks}",
+                   PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)))
+        subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+             "-m", "bench.worker", "--total-bytes", str(total), "--reps", str(reps), "--scratch", str(scratch),
+             "--out", str(out)],
+            env=env, check=True, cwd=ROOT,
+        )
+        result = json.loads(out.read_text())
+        result["ranks"] = ranks
+        result["total"] = total
+        result["sidecar_peak_rss_bytes"] = system.peak_rss_bytes(sidecar.pid)
+        return result
+    finally:
+        run_cmd.stop_sidecar(sidecar, 60)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def machine() -> str:
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return (f"{os.cpu_count()} cores, {memory / 2**30:.0f} GiB RAM, Linux {platform.release()}, "
+            f"Python {platform.python_version()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="256M,1G,4G", help="checkpoint sizes in total across the ranks")
+    parser.add_argument("--ranks", default="1,2,4,8", help="local rank counts")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of each measurement")
+    parser.add_argument("--storage", type=Path, default=Path("/var/tmp/stowaway-bench"),
+                        help="durable storage to write to (emptied afterwards)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory for results.json and results.md (default: print the markdown only)")
+    args = parser.parse_args()
+    if args.storage.exists() and any(args.storage.iterdir()):
+        parser.error(f"--storage {args.storage} is not empty; the benchmark deletes what it writes there, "
+                     "so give it an empty or missing directory")
+    results = []
+    for total in (parse_size(size) for size in args.sizes.split(",")):
+        for ranks in (int(count) for count in args.ranks.split(",")):
+            print(f"bench: {report.size_label(total)} across {ranks} rank(s)", file=sys.stderr, flush=True)
+            results.append(run_config(total, ranks, args.reps, args.storage))
+    command = shlex.join(["python", "-m", "bench", *sys.argv[1:]])
+    text = report.markdown(results, command, machine())
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        (args.out / "results.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Turn raw timings into the markdown tables of docs/benchmarks.md: medians, spreads and target ratios."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ratio of two medians (steady state) and the bound it must stay under."""
+
+    label: str
+    numerator: str
+    denominators: tuple[str, ...]
+    bound: float
+
+
+TARGETS = (
+    Target("save blocking / copy reference", "stowaway.save.steady", ("reference.copy",), 1.25),
+    Target("committed / fastest write+fdatasync", "stowaway.committed.steady",
+           ("reference.write_buffered", "reference.write_direct"), 1.3),
+    Target("restore from memory / copy-out reference", "stowaway.restore.memory", ("reference.copy_out_fresh",), 1.25),
+    Target("save blocking / DCP async_save blocking", "stowaway.save.steady", ("dcp.async_save",), 0.5),
+)
+PAGE_CACHE_BOUND = 0.05
+
+ROWS = (
+    ("stowaway.save.first", "Stowaway save, first (blocking)"),
+    ("stowaway.save.steady", "Stowaway save, steady (blocking)"),
+    ("stowaway.committed.first", "Stowaway committed, first"),
+    ("stowaway.committed.steady", "Stowaway committed, steady"),
+    ("stowaway.restore.memory", "Stowaway restore from shared memory"),
+    ("stowaway.restore.storage", "Stowaway restore from storage"),
+    ("reference.copy", "reference: copy_ into resident shared memory"),
+    ("reference.copy_out_fresh", "reference: copy out into new tensors"),
+    ("reference.write_buffered", "reference: write + fdatasync, buffered"),
+    ("reference.write_direct", "reference: write + fdatasync, O_DIRECT"),
+    ("reference.read_direct", "reference: read, O_DIRECT"),
+    ("torch.save", "torch.save (not durable)"),
+    ("torch.save_fsync", "torch.save + fsync"),
+    ("torch.load", "torch.load (cold cache)"),
+    ("dcp.save", "DCP save"),
+    ("dcp.async_save", "DCP async_save (blocking)"),
+    ("dcp.async_save_done", "DCP async_save (completed)"),
+    ("dcp.load", "DCP load (cold cache, in place)"),
+)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def ratio(seconds: dict[str, list[float]], target: Target) -> float:
+    return median(seconds[target.numerator]) / min(median(seconds[name]) for name in target.denominators)
+
+
+def size_label(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.0f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+def _spread(values: list[float]) -> str:
+    return f"{median(values) * 1e3:,.1f} ({min(values) * 1e3:,.1f}-{max(values) * 1e3:,.1f})"
+
+
+def ratio_table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| checkpoint | ranks | " + " | ".join(f"{t.label} (≤ {t.bound})" for t in TARGETS)
+        + f" | page-cache growth / checkpoint (≤ {PAGE_CACHE_BOUND:.0%}) |",
+        "|---|---:|" + "---:|" * (len(TARGETS) + 1),
+    ]
+    for result in results:
+        cells = []
+        for target in TARGETS:
+            value = ratio(result["seconds"], target)
+            cells.append(f"{value:.2f} {'✓' if value <= target.bound else '✗'}")
+        growth = result["page_cache_growth_bytes"] / result["bytes"]
+        cells.append(f"{growth:.1%} {'✓' if growth <= PAGE_CACHE_BOUND else '✗'}")
+        lines.append(f"| {size_label(result['total'])} | {result['ranks']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def times_table(results: list[dict[str, Any]]) -> str:
+    """One row per measurement, one column per rank count: median (min-max) in milliseconds."""
+    header = "| milliseconds: median (min-max) | " + " | ".join(f"{r['ranks']} ranks" for r in results) + " |"
+    lines = [header, "|---|" + "---:|" * len(results)]
+    for key, label in ROWS:
+        lines.append(f"| {label} | " + " | ".join(_spread(r["seconds"][key]) for r in results) + " |")
+    lines.append("| peak RSS of a rank, MiB | " + " | ".join(
+        f"{r['rank_peak_rss_bytes'] / 2**20:,.0f}" for r in results) + " |")
+    lines.append("| peak RSS of the sidecar, MiB | " + " | ".join(
+        f"{r['sidecar_peak_rss_bytes'] / 2**20:,.0f}" for r in results) + " |")
+    lines.append("| page-cache growth during persist, MiB | " + " | ".join(
+        f"{r['page_cache_growth_bytes'] / 2**20:,.1f}" for r in results) + " |")
+    return "\n".join(lines)
+
+
+def markdown(results: list[dict[str, Any]], command: str, machine: str) -> str:
+    sections = [
+        f"Command: `{command}`  \nMachine: {machine}\n",
+        "### Targets (medians, steady state)\n",
+        ratio_table(results),
+    ]
+    for size in sorted({r["total"] for r in results}):
+        same = sorted((r for r in results if r["total"] == size), key=lambda r: r["ranks"])
+        sections += [f"\n### {size_label(size)} in total\n", times_table(same)]
+    return "\n".join(sections) + "\n"

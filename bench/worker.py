@@ -1,0 +1,176 @@
+"""One benchmark configuration, run by every rank under torchrun.
+
+Every measurement starts after a barrier and is reported as the slowest
+rank's time, because a job waits for its slowest rank. Stowaway, the physical
+references and the peers run in the same processes on the same tensors and
+storage, one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from bench import references, state, system
+from stowaway import Checkpointer
+
+Results = dict[str, list[float]]
+
+
+class Run:
+    def __init__(self, reps: int, scratch: Path) -> None:
+        self.reps = reps
+        self.scratch = scratch
+        self.rank = dist.get_rank()
+        self.results: Results = {}
+
+    def slowest(self, seconds: float) -> float:
+        value = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value.item())
+
+    def record(self, name: str, seconds: float) -> None:
+        self.results.setdefault(name, []).append(self.slowest(seconds))
+
+    def timed(self, name: str, action: Callable[[], Any]) -> Any:
+        dist.barrier()
+        started = time.perf_counter()
+        result = action()
+        self.record(name, time.perf_counter() - started)
+        return result
+
+
+def measure_stowaway(run: Run, training: dict[str, Any], extra: dict[str, Any]) -> None:
+    with Checkpointer(slots=1, timeout=1800) as ckpt:
+        for step in range(run.reps + 1):
+            kind = "first" if step == 0 else "steady"
+            growth = system.CacheGrowth() if run.rank == 0 and step == 1 else None
+            dist.barrier()
+            started = time.perf_counter()
+            handle = ckpt.save(step, training)
+            run.record(f"stowaway.save.{kind}", time.perf_counter() - started)
+            handle.wait()
+            run.record(f"stowaway.committed.{kind}", time.perf_counter() - started)
+            if growth is not None:
+                extra["page_cache_growth_bytes"] = growth.stop()
+        for _ in range(run.reps):
+            restored = run.timed("stowaway.restore.memory", ckpt.load)
+            assert restored is not None and restored[0] == run.reps, f"restored {restored and restored[0]}"
+            del restored
+        for step in range(run.reps):
+            restored = run.timed("stowaway.restore.storage", lambda step=step: ckpt.load(step=step))
+            assert restored is not None and restored[0] == step
+            del restored
+    extra["rank_peak_rss_bytes"] = run.slowest(system.peak_rss_bytes())
+
+
+def measure_references(run: Run, training: dict[str, Any]) -> None:
+    sources = state.tensors(training)
+    padded = sum(tensor.numel() * tensor.element_size() + 8 for tensor in sources)
+    buffer = references.ResidentBuffer(Path(f"/dev/shm/stw-bench-ref-{run.rank}"), padded)
+    target = run.scratch / f"ref-{run.rank}.bin"
+    try:
+        views = buffer.views(sources)
+        for _ in range(run.reps):
+            run.timed("reference.copy", lambda: references.copy_into(views, sources))
+        for _ in range(run.reps):
+            run.timed("reference.copy_out_fresh", lambda: references.copy_out_fresh(views))
+        for direct in (False, True):
+            for _ in range(run.reps):
+                name = "reference.write_direct" if direct else "reference.write_buffered"
+                run.timed(name, lambda direct=direct: references.write_file(buffer, target, direct))
+        for _ in range(run.reps):
+            run.timed("reference.read_direct", lambda: references.read_file(buffer, target))
+    finally:
+        target.unlink(missing_ok=True)
+        buffer.close()
+
+
+def measure_torch_save(run: Run, training: dict[str, Any]) -> None:
+    path = run.scratch / f"torch-{run.rank}.pt"
+    for _ in range(run.reps):
+        dist.barrier()
+        started = time.perf_counter()
+        torch.save(training, path)
+        run.record("torch.save", time.perf_counter() - started)
+        _sync_and_drop(path)
+        run.record("torch.save_fsync", time.perf_counter() - started)
+    for _ in range(run.reps):
+        _sync_and_drop(path)
+        run.timed("torch.load", lambda: torch.load(path, weights_only=True))
+    path.unlink()
+
+
+def measure_dcp(run: Run, training: dict[str, Any]) -> None:
+    for rep in range(run.reps):
+        directory = run.scratch / f"dcp-{rep}"
+        run.timed("dcp.save", lambda directory=directory: dcp.save(training, checkpoint_id=directory))
+        _remove(run, directory)
+    for rep in range(run.reps):
+        directory = run.scratch / f"dcp-async-{rep}"
+        dist.barrier()
+        started = time.perf_counter()
+        future = dcp.async_save(training, checkpoint_id=directory)
+        run.record("dcp.async_save", time.perf_counter() - started)
+        future.result()
+        run.record("dcp.async_save_done", time.perf_counter() - started)
+        if rep < run.reps - 1:
+            _remove(run, directory)
+    for _ in range(run.reps):
+        if run.rank == 0:
+            for path in directory.iterdir():
+                _sync_and_drop(path)
+        run.timed("dcp.load", lambda: dcp.load(training, checkpoint_id=directory))
+    _remove(run, directory)
+
+
+def _sync_and_drop(path: Path) -> None:
+    """fsync, then evict the file from the page cache so that a load reads the device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _remove(run: Run, directory: Path) -> None:
+    dist.barrier()
+    if run.rank == 0:
+        shutil.rmtree(directory)
+    dist.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="one benchmark configuration; run by python -m bench")
+    parser.add_argument("--total-bytes", type=int, required=True, help="checkpoint size across all local ranks")
+    parser.add_argument("--reps", type=int, required=True)
+    parser.add_argument("--scratch", type=Path, required=True, help="directory for the references and peers")
+    parser.add_argument("--out", type=Path, required=True, help="JSON file rank 0 writes")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    run = Run(args.reps, args.scratch)
+    training = state.build(args.total_bytes // dist.get_world_size(), seed=run.rank)
+    extra: dict[str, Any] = {"bytes": run.slowest(state.nbytes_of(training)) * dist.get_world_size()}
+    measure_stowaway(run, training, extra)
+    measure_references(run, training)
+    measure_torch_save(run, training)
+    measure_dcp(run, training)
+    if run.rank == 0:
+        args.out.write_text(json.dumps({"seconds": run.results, **extra}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

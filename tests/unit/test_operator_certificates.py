@@ -1,0 +1,72 @@
+"""The webhook's self-signed certificates: a client that trusts only the CA accepts the server for its hosts."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+import ssl
+import threading
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from stowaway.operator import certificates
+
+
+def test_the_server_certificate_names_every_host_and_is_signed_by_the_ca_for_the_days_asked() -> None:
+    made = certificates.self_signed(["stowaway.stowaway-system.svc", "127.0.0.1"], days=30)
+    ca, cert = x509.load_pem_x509_certificate(made.ca_pem), x509.load_pem_x509_certificate(made.cert_pem)
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["stowaway.stowaway-system.svc"]
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    lifetime = cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
+    assert datetime.timedelta(days=29) < lifetime <= datetime.timedelta(days=30)
+
+
+def test_each_call_makes_a_new_ca() -> None:
+    assert certificates.self_signed(["a"]).ca_pem != certificates.self_signed(["a"]).ca_pem
+
+
+def serve_once(made: certificates.ServingCertificate, folder: Path) -> tuple[int, threading.Thread]:
+    """A TLS server with the certificate that accepts one handshake, as the API server's call to the webhook."""
+    (folder / "tls.crt").write_bytes(made.cert_pem)
+    (folder / "tls.key").write_bytes(made.key_pem)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(folder / "tls.crt", folder / "tls.key")
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def accept() -> None:
+        # A client that refuses the certificate aborts the handshake; the client side asserts that.
+        with listener, contextlib.suppress(ssl.SSLError), context.wrap_socket(listener.accept()[0], server_side=True):
+            pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    return listener.getsockname()[1], thread
+
+
+def handshake(port: int, ca_pem: bytes, host: str) -> None:
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, context.wrap_socket(
+        raw, server_hostname=host
+    ):
+        pass
+
+
+def test_a_client_trusting_the_ca_bundle_completes_a_tls_handshake_for_a_listed_host(tmp_path: Path) -> None:
+    made = certificates.self_signed(["127.0.0.1"])
+    port, server = serve_once(made, tmp_path)
+    handshake(port, made.ca_pem, "127.0.0.1")
+    server.join(timeout=5)
+
+
+def test_a_client_refuses_the_certificate_for_a_host_it_does_not_name(tmp_path: Path) -> None:
+    made = certificates.self_signed(["stowaway.stowaway-system.svc"])
+    port, server = serve_once(made, tmp_path)
+    with pytest.raises(ssl.SSLCertVerificationError, match=r"IP address mismatch|doesn't match"):
+        handshake(port, made.ca_pem, "127.0.0.1")
+    server.join(timeout=5)
