@@ -1,8 +1,12 @@
 # The two commands of the README. Everything they need is installed by hack/venv.
-.PHONY: demo test
+.PHONY: demo test bench
 
 demo:
 	hack/demo
 
 test:
 	hack/test
+
+# Not one of the two set-up commands: a full benchmark run (about 15 minutes, ~20 GiB of memory).
+bench:
+	hack/bench --out docs/benchmarks

@@ -46,6 +46,7 @@ def run_config(total: int, ranks: int, reps: int, storage: Path) -> dict[str, ob
     )
     try:
         run_cmd.wait_for_socket(sidecar, socket_path)
+        private = system.Peak(lambda: system.status_bytes(sidecar.pid, "RssAnon"))
         env = dict(os.environ, STOWAWAY_SOCKET=str(socket_path), STOWAWAY_JOB=f"bench-{total}-{ranks}",
                    PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)))
         subprocess.run(
@@ -57,7 +58,8 @@ def run_config(total: int, ranks: int, reps: int, storage: Path) -> dict[str, ob
         result = json.loads(out.read_text())
         result["ranks"] = ranks
         result["total"] = total
-        result["sidecar_peak_rss_bytes"] = system.peak_rss_bytes(sidecar.pid)
+        result["sidecar_peak_rss_bytes"] = system.status_bytes(sidecar.pid, "VmHWM")
+        result["sidecar_peak_private_bytes"] = private.stop()
         return result
     finally:
         run_cmd.stop_sidecar(sidecar, 60)

@@ -26,6 +26,19 @@ TARGETS = (
 )
 PAGE_CACHE_BOUND = 0.05
 
+# Ratios with no target, for context: numerator over the sum of the denominators' medians.
+CONTEXT = (
+    ("committed / (copy + fastest write)", "stowaway.committed.steady",
+     (("reference.copy",), ("reference.write_buffered", "reference.write_direct"))),
+    ("restore from storage / (read + copy-out)", "stowaway.restore.storage",
+     (("reference.read_direct",), ("reference.copy_out_fresh",))),
+    ("committed / torch.save + fsync", "stowaway.committed.steady", (("torch.save_fsync",),)),
+    ("committed / DCP save", "stowaway.committed.steady", (("dcp.save",),)),
+    ("committed / DCP async_save completed", "stowaway.committed.steady", (("dcp.async_save_done",),)),
+    ("restore from storage / torch.load", "stowaway.restore.storage", (("torch.load",),)),
+    ("restore from storage / DCP load", "stowaway.restore.storage", (("dcp.load",),)),
+)
+
 ROWS = (
     ("stowaway.save.first", "Stowaway save, first (blocking)"),
     ("stowaway.save.steady", "Stowaway save, steady (blocking)"),
@@ -81,16 +94,32 @@ def ratio_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def context_table(results: list[dict[str, Any]]) -> str:
+    """Each term of a denominator is the fastest of its alternatives; the terms are added."""
+    lines = ["| checkpoint | ranks | " + " | ".join(label for label, _, _ in CONTEXT) + " |",
+             "|---|---:|" + "---:|" * len(CONTEXT)]
+    for result in results:
+        seconds = result["seconds"]
+        cells = []
+        for _, numerator, terms in CONTEXT:
+            denominator = sum(min(median(seconds[name]) for name in term) for term in terms)
+            cells.append(f"{median(seconds[numerator]) / denominator:.2f}")
+        lines.append(f"| {size_label(result['total'])} | {result['ranks']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def times_table(results: list[dict[str, Any]]) -> str:
     """One row per measurement, one column per rank count: median (min-max) in milliseconds."""
     header = "| milliseconds: median (min-max) | " + " | ".join(f"{r['ranks']} ranks" for r in results) + " |"
     lines = [header, "|---|" + "---:|" * len(results)]
     for key, label in ROWS:
         lines.append(f"| {label} | " + " | ".join(_spread(r["seconds"][key]) for r in results) + " |")
-    lines.append("| peak RSS of a rank, MiB | " + " | ".join(
+    lines.append("| peak RSS of a rank (state, slot and restores), MiB | " + " | ".join(
         f"{r['rank_peak_rss_bytes'] / 2**20:,.0f}" for r in results) + " |")
-    lines.append("| peak RSS of the sidecar, MiB | " + " | ".join(
+    lines.append("| peak RSS of the sidecar (with the slots it maps), MiB | " + " | ".join(
         f"{r['sidecar_peak_rss_bytes'] / 2**20:,.0f}" for r in results) + " |")
+    lines.append("| peak private memory of the sidecar (RssAnon), MiB | " + " | ".join(
+        f"{r['sidecar_peak_private_bytes'] / 2**20:,.0f}" for r in results) + " |")
     lines.append("| page-cache growth during persist, MiB | " + " | ".join(
         f"{r['page_cache_growth_bytes'] / 2**20:,.1f}" for r in results) + " |")
     return "\n".join(lines)
@@ -101,6 +130,8 @@ def markdown(results: list[dict[str, Any]], command: str, machine: str) -> str:
         f"Command: `{command}`  \nMachine: {machine}\n",
         "### Targets (medians, steady state)\n",
         ratio_table(results),
+        "\n### Other ratios (medians, steady state; below 1 means Stowaway is faster)\n",
+        context_table(results),
     ]
     for size in sorted({r["total"] for r in results}):
         same = sorted((r for r in results if r["total"] == size), key=lambda r: r["ranks"])

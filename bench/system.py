@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -15,36 +16,45 @@ def file_cache_bytes() -> int:
     return fields["Active(file)"] + fields["Inactive(file)"]
 
 
-def peak_rss_bytes(pid: int | str = "self") -> int:
-    """VmHWM: the peak resident set, shared-memory pages the process touched included."""
+def status_bytes(pid: int | str, field: str) -> int:
+    """A size field of /proc/PID/status, e.g. VmHWM (peak RSS) or RssAnon (private resident memory)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
+    raise RuntimeError(f"/proc/{pid}/status has no {field}")
 
 
-class CacheGrowth:
-    """Samples the file page cache in a thread and keeps the peak growth over a baseline.
+class Peak:
+    """Samples a value in a thread and keeps its maximum.
 
-    A sampler is the only way to see the peak: a persist that drops its pages
-    at the end leaves no trace in a before/after difference.
+    A sampler is the only way to see some peaks: a persist that drops its
+    pages at the end leaves no trace in a before/after difference, and the
+    kernel keeps no high-water mark of private memory alone.
     """
 
     INTERVAL = 0.002
 
-    def __init__(self) -> None:
-        self.peak = 0
-        self._baseline = file_cache_bytes()
+    def __init__(self, read: Callable[[], int]) -> None:
+        self._read = read
+        self.peak = read()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.INTERVAL):
-            self.peak = max(self.peak, file_cache_bytes() - self._baseline)
+            try:
+                self.peak = max(self.peak, self._read())
+            except (OSError, RuntimeError):
+                return
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, file_cache_bytes() - self._baseline)
         return self.peak
+
+
+def cache_growth() -> Peak:
+    """Peak growth of the file page cache from now on."""
+    baseline = file_cache_bytes()
+    return Peak(lambda: file_cache_bytes() - baseline)

@@ -54,7 +54,7 @@ def measure_stowaway(run: Run, training: dict[str, Any], extra: dict[str, Any]) 
     with Checkpointer(slots=1, timeout=1800) as ckpt:
         for step in range(run.reps + 1):
             kind = "first" if step == 0 else "steady"
-            growth = system.CacheGrowth() if run.rank == 0 and step == 1 else None
+            growth = system.cache_growth() if run.rank == 0 and step == 1 else None
             dist.barrier()
             started = time.perf_counter()
             handle = ckpt.save(step, training)
@@ -71,7 +71,7 @@ def measure_stowaway(run: Run, training: dict[str, Any], extra: dict[str, Any]) 
             restored = run.timed("stowaway.restore.storage", lambda step=step: ckpt.load(step=step))
             assert restored is not None and restored[0] == step
             del restored
-    extra["rank_peak_rss_bytes"] = run.slowest(system.peak_rss_bytes())
+    extra["rank_peak_rss_bytes"] = run.slowest(system.status_bytes("self", "VmHWM"))
 
 
 def measure_references(run: Run, training: dict[str, Any]) -> None:

@@ -107,6 +107,10 @@ def main() -> None:
             handle.wait()
             committed.append(handle.step)
         report(ckpt.blocking_seconds, committed, rank)
+    # Every rank leaves the group together: gloo aborts a process whose peer closes the
+    # connection while it is still tearing its own side down.
+    del model
+    dist.barrier()
     dist.destroy_process_group()
 
 

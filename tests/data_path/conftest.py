@@ -47,8 +47,9 @@ def start_rank(short_tmp: Path) -> Iterator[Callable[..., RankProcess]]:
     started: list[RankProcess] = []
 
     def start(sidecar: SidecarProcess, job: str = "job", rank: int = 0, world_size: int = 1,
-              local_world_size: int | None = None, run_id: str = "test-run") -> RankProcess:
-        env = sidecar.env(job, rank, world_size, local_world_size, run_id)
+              local_world_size: int | None = None, run_id: str = "test-run",
+              extra_env: dict[str, str] | None = None) -> RankProcess:
+        env = {**sidecar.env(job, rank, world_size, local_world_size, run_id), **(extra_env or {})}
         process = RankProcess(env, short_tmp / f"rank-{job}-{rank}-{len(started)}.log")
         started.append(process)
         return process

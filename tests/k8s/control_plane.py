@@ -289,6 +289,11 @@ class ControlPlane:
                 # reconciler would fail forever publishing 127.0.0.1 for the
                 # `kubernetes` Service; nothing in-cluster needs to reach us.
                 "--endpoint-reconciler-type=none",
+                # A webhook's `service:` clientConfig goes to the Service's
+                # EndpointSlice address rather than its ClusterIP (which no
+                # kube-proxy routes here), so the chart's own webhook
+                # configuration reaches an operator run on this machine.
+                "--enable-aggregator-routing=true",
                 f"--cert-dir={self.workdir / 'apiserver-certs'}",
                 "--profiling=false",
                 "--v=1",

@@ -65,26 +65,7 @@ def checkpointpolicy_crd(k8s_cluster: Cluster, k8s_api: client.ApiClient) -> str
     return CRD_NAME
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _serves_tls(port: int, ca: Path, process: subprocess.Popen[bytes], log: Path) -> bool:
-    if process.poll() is not None:
-        raise RuntimeError(f"operator exited with status {process.returncode}:\n{log.read_text()[-4000:]}")
-    context = ssl.create_default_context(cafile=str(ca))
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as raw, context.wrap_socket(
-            raw, server_hostname="127.0.0.1"
-        ):
-            return True
-    except OSError:
-        return False
-
-
-def _webhook_answers(api: client.ApiClient) -> bool:
+def webhook_answers(api: client.ApiClient) -> bool:
     """A dry-run create naming a missing policy: refused once the API server calls the webhook."""
     probe = {
         "metadata": {
@@ -128,18 +109,61 @@ def operator_kubeconfig(
     core.create_namespace({"metadata": {"name": name, "labels": {"stowaway.test": "true"}}})
     try:
         k8s_cluster.run("kubectl", "apply", "-f", str(manifest))
-        token = k8s_cluster.run("kubectl", "create", "token", name, "--namespace", name, "--duration", "6h").stdout
-        config = yaml.safe_load(k8s_cluster.kubeconfig.read_text())
-        config["users"] = [{"name": name, "user": {"token": token.strip()}}]
-        for context in config["contexts"]:
-            context["context"]["user"] = name
-        path = manifest.with_name("operator.kubeconfig")
-        path.write_text(yaml.safe_dump(config))
-        path.chmod(0o600)
-        yield path
+        yield service_account_kubeconfig(k8s_cluster, name, name, manifest.with_name("operator.kubeconfig"))
     finally:
         k8s_cluster.run("kubectl", "delete", "-f", str(manifest), "--ignore-not-found", "--wait=false", check=False)
         core.delete_namespace(name)
+
+
+def service_account_kubeconfig(cluster: Cluster, namespace: str, account: str, path: Path) -> Path:
+    """Write a kubeconfig that authenticates as the ServiceAccount (a token from the real TokenRequest API)."""
+    token = cluster.run("kubectl", "create", "token", account, "--namespace", namespace, "--duration", "6h").stdout
+    config = yaml.safe_load(cluster.kubeconfig.read_text())
+    config["users"] = [{"name": account, "user": {"token": token.strip()}}]
+    for context in config["contexts"]:
+        context["context"]["user"] = account
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def serves_tls(port: int, ca_pem: bytes, server_name: str, process: subprocess.Popen[bytes], log: Path) -> bytes | None:
+    """The certificate the operator's webhook port presents to a client trusting ``ca_pem`` (DER), or None yet."""
+    if process.poll() is not None:
+        raise RuntimeError(f"operator exited with status {process.returncode}:\n{log.read_text()[-4000:]}")
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as raw, context.wrap_socket(
+            raw, server_hostname=server_name
+        ) as tls:
+            return tls.getpeercert(binary_form=True)
+    except OSError:
+        return None
+
+
+def start_operator(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """``python -m stowaway.operator`` with exactly ``env`` (plus this interpreter's), logging to ``log``."""
+    with log.open("ab") as sink:
+        return subprocess.Popen(
+            [sys.executable, "-m", "stowaway.operator"], env={**os.environ, **env}, stdout=sink,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+
+def stop_operator(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, as kubelet stops a pod, then SIGKILL if kopf has not finished within its grace."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 @dataclass(frozen=True)
@@ -162,27 +186,22 @@ def stowaway_operator(
     made = certificates.self_signed(["127.0.0.1"])
     for name, pem in (("ca.crt", made.ca_pem), ("tls.crt", made.cert_pem), ("tls.key", made.key_pem)):
         (folder / name).write_bytes(pem)
-    port, metrics_port = _free_port(), _free_port()
-    env = {
-        **os.environ,
+    port, metrics_port = free_port(), free_port()
+    log = folder / "operator.log"
+    process = start_operator({
         "KUBECONFIG": str(operator_kubeconfig),
         "STOWAWAY_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE,
         "STOWAWAY_SIDECAR_IMAGE": SIDECAR_IMAGE,
         "STOWAWAY_WEBHOOK_PORT": str(port),
         "STOWAWAY_WEBHOOK_CERT_DIR": str(folder),
-        "STOWAWAY_HEALTH_PORT": str(_free_port()),
+        "STOWAWAY_HEALTH_PORT": str(free_port()),
         "STOWAWAY_METRICS_PORT": str(metrics_port),
-    }
-    log = folder / "operator.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "stowaway.operator"], env=env, stdout=sink, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    }, log)
     admission = client.AdmissionregistrationV1Api(k8s_api)
     name = f"stowaway-test-{uuid.uuid4().hex[:8]}"
     try:
-        eventually(lambda: _serves_tls(port, folder / "ca.crt", process, log), what="the operator's webhook TLS port")
+        eventually(lambda: serves_tls(port, made.ca_pem, "127.0.0.1", process, log),
+                   what="the operator's webhook TLS port")
         (config,) = [d for d in render(k8s_cluster) if d["kind"] == "MutatingWebhookConfiguration"]
         config["metadata"]["name"] = name
         for webhook in config["webhooks"]:
@@ -192,17 +211,12 @@ def stowaway_operator(
                 "caBundle": base64.b64encode(made.ca_pem).decode(),
             }
         admission.create_mutating_webhook_configuration(config)
-        eventually(lambda: _webhook_answers(k8s_api), what="the API server to start calling the new webhook")
+        eventually(lambda: webhook_answers(k8s_api), what="the API server to start calling the new webhook")
         yield RunningOperator(log, f"http://127.0.0.1:{metrics_port}")
     finally:
         with contextlib.suppress(client.exceptions.ApiException):
             admission.delete_mutating_webhook_configuration(name)
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_operator(process)
 
 
 def create_policy(api: client.ApiClient, namespace: str, name: str = "default", **spec: Any) -> dict[str, Any]:

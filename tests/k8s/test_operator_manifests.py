@@ -144,6 +144,10 @@ def monitoring_crds(k8s_cluster: Cluster, k8s_api: client.ApiClient) -> Iterator
     eventually(established, what="the monitoring CRDs to be Established")
     yield
     k8s_cluster.run("kubectl", "delete", "-f", str(MONITORING_CRDS), "--wait=false", "--ignore-not-found")
+    # Gone before the next test: a chart installed while they linger renders monitors the server then refuses.
+    eventually(lambda: not any(crd.spec.group == "monitoring.coreos.com"
+                               for crd in ext.list_custom_resource_definition().items),
+               what="the monitoring CRDs to be deleted")
 
 
 def test_helm_install_creates_the_monitors_where_the_crds_exist_and_the_dashboard_config_map(
@@ -174,7 +178,7 @@ OPERATOR_NEEDS = [
     ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
 ]
 # What it must never be able to do, even if compromised: change what users declared, read secrets, run code in
-# pods, or rewrite admission (its own webhook included).
+# pods, or rewrite admission (in its own TLS mode, only its webhook's caBundle: tls_permissions).
 OPERATOR_MUST_NOT = [
     ("patch", "checkpointpolicies.stowaway.dev"), ("delete", "checkpointpolicies.stowaway.dev"),
     ("create", "pods"), ("delete", "pods"), ("patch", "pods"), ("create", "pods", "--subresource=exec"),
@@ -187,22 +191,49 @@ OPERATOR_MUST_NOT = [
 ]
 
 
+WEBHOOKS = "mutatingwebhookconfigurations.admissionregistration.k8s.io"
+
+
+def tls_permissions(release: str, namespace: str) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+    """webhook.tls.mode=operator: what the operator needs for its certificate, and the neighbours it must not touch.
+
+    Its one Secret, in its own namespace only, read and updated but never created (the chart creates it), listed,
+    watched or deleted; its one webhook configuration's caBundle, and no other admission configuration.
+    """
+    secret, configuration = f"secrets/{release}-stowaway-webhook-tls", f"{WEBHOOKS}/{release}-stowaway"
+    needs = [("get", secret, "-n", namespace), ("update", secret, "-n", namespace),
+             ("get", configuration), ("patch", configuration)]
+    must_not = [
+        ("create", "secrets", "-n", namespace), ("list", "secrets", "-n", namespace),
+        ("watch", "secrets", "-n", namespace), ("delete", secret, "-n", namespace),
+        ("get", "secrets/other", "-n", namespace), ("update", "secrets/other", "-n", namespace),
+        ("get", secret, "-n", "default"), ("update", secret, "-n", "kube-system"),
+        ("patch", f"{WEBHOOKS}/other"), ("get", f"{WEBHOOKS}/other"), ("delete", configuration),
+        ("create", WEBHOOKS), ("list", WEBHOOKS),
+        ("patch", f"validatingwebhookconfigurations.admissionregistration.k8s.io/{release}-stowaway"),
+    ]
+    return needs, must_not
+
+
+@pytest.mark.parametrize("mode", ["selfSigned", "operator"])
 def test_the_operators_service_account_can_do_what_it_needs_and_nothing_it_must_not(
-    k8s_cluster: Cluster, k8s_namespace: str, checkpointpolicy_crd: str
+    k8s_cluster: Cluster, k8s_namespace: str, checkpointpolicy_crd: str, mode: str
 ) -> None:
     release = f"r{uuid.uuid4().hex[:6]}"
     identity = f"system:serviceaccount:{k8s_namespace}:{release}-stowaway"
+    needs, must_not = tls_permissions(release, k8s_namespace) if mode == "operator" else ([], [])
     try:
-        k8s_cluster.run("helm", "install", release, str(CHART), "--namespace", k8s_namespace, "--skip-crds")
+        k8s_cluster.run("helm", "install", release, str(CHART), "--namespace", k8s_namespace, "--skip-crds",
+                        "--set", f"webhook.tls.mode={mode}")
 
         def can(*check: str) -> bool:
-            result = k8s_cluster.run("kubectl", "auth", "can-i", *check, "--all-namespaces", "--as", identity,
-                                     check=False)
+            scope = () if "-n" in check else ("--all-namespaces",)
+            result = k8s_cluster.run("kubectl", "auth", "can-i", *check, *scope, "--as", identity, check=False)
             assert result.stdout.strip() in ("yes", "no"), result.stdout + result.stderr
             return result.stdout.strip() == "yes"
 
-        assert [check for check in OPERATOR_NEEDS if not can(*check)] == []
-        assert [check for check in OPERATOR_MUST_NOT if can(*check)] == []
+        assert [check for check in [*OPERATOR_NEEDS, *needs] if not can(*check)] == []
+        assert [check for check in [*OPERATOR_MUST_NOT, *must_not] if can(*check)] == []
     finally:
         k8s_cluster.run("helm", "uninstall", release, "--namespace", k8s_namespace, check=False)
 

@@ -42,7 +42,7 @@ def test_admissions_through_the_api_server_move_the_counters_by_result(
     core = client.CoreV1Api(k8s_api)
     core.create_namespaced_pod(ready_policy, training_pod())
     core.create_namespaced_pod(ready_policy, training_pod())
-    carrying = training_pod()
+    carrying = training_pod(**{injection.MARKER_ANNOTATION: "default"})  # as a copy of an injected pod
     carrying["spec"]["initContainers"] = [
         {"name": injection.SIDECAR_NAME, "image": SIDECAR_IMAGE, "restartPolicy": "Always"},
     ]

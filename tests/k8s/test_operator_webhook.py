@@ -28,6 +28,7 @@ def test_a_good_policy_goes_ready_with_observed_generation(k8s_api: client.ApiCl
     # The server filled in the CRD's defaults the injection relies on.
     assert policy["spec"]["retention"] == {"keepLast": 3, "keepEvery": 0}
     assert policy["spec"]["sidecar"]["native"] is True
+    assert policy["spec"]["persistence"] == {"concurrency": 4, "directIO": True, "checksum": "xxh3-64"}
 
 
 def test_a_policy_whose_claim_is_missing_is_not_ready_and_says_why(
@@ -80,16 +81,33 @@ def test_an_unlabelled_pod_is_stored_unchanged(k8s_api: client.ApiClient, ready_
     assert [e.name for e in stored.spec.containers[0].env] == ["EPOCHS"]
 
 
-def test_a_pod_that_already_carries_the_sidecar_is_not_injected_twice(
+def test_a_pod_bringing_its_own_container_of_the_sidecars_name_is_refused(
     k8s_api: client.ApiClient, ready_policy: str
 ) -> None:
     pod = training_pod()
     pod["spec"]["initContainers"] = [
         {"name": injection.SIDECAR_NAME, "image": SIDECAR_IMAGE, "restartPolicy": "Always"},
     ]
-    stored = client.CoreV1Api(k8s_api).create_namespaced_pod(ready_policy, pod)
-    assert [c.name for c in stored.spec.init_containers] == [injection.SIDECAR_NAME]
-    assert stored.spec.volumes is None
+    message = denial(k8s_api, ready_policy, pod)
+    assert f"a container named {injection.SIDECAR_NAME}, a name reserved for the sidecar" in message
+    assert f"but not the annotation {injection.MARKER_ANNOTATION}" in message
+
+
+def test_a_copy_of_an_injected_pod_is_stored_as_it_is_unless_its_trainer_mounts_the_claim(
+    k8s_api: client.ApiClient, ready_policy: str
+) -> None:
+    core = client.CoreV1Api(k8s_api)
+    injected = k8s_api.sanitize_for_serialization(core.create_namespaced_pod(ready_policy, training_pod()))
+    copy = {"metadata": {key: injected["metadata"][key] for key in ("generateName", "labels", "annotations")},
+            "spec": injected["spec"]}
+    stored = core.create_namespaced_pod(ready_policy, copy)
+    assert [c.name for c in stored.spec.init_containers] == [injection.SIDECAR_NAME]  # not injected twice
+    assert [v.name for v in stored.spec.volumes] == [v["name"] for v in injected["spec"]["volumes"]]
+
+    copy["spec"]["containers"][0]["volumeMounts"].append({"name": injection.STORAGE_VOLUME, "mountPath": "/ckpts"})
+    message = denial(k8s_api, ready_policy, copy)
+    assert f"container 'trainer' mounts the CheckpointPolicy's storage claim 'ckpts' (volume " \
+        f"'{injection.STORAGE_VOLUME}')" in message
 
 
 def test_a_missing_policy_is_an_admission_error_that_names_it(k8s_api: client.ApiClient, ready_policy: str) -> None:
@@ -131,3 +149,14 @@ def test_pods_injected_follows_pods_as_they_are_created_and_deleted(
     core.delete_namespaced_pod(names[0], ready_policy, grace_period_seconds=0)
     eventually(lambda: pods_injected() == 1, what="status.podsInjected to drop the deleted pod")
     assert read_policy(k8s_api, ready_policy)["metadata"]["generation"] == 1  # no spec change drove the updates
+
+
+def test_a_policy_turning_direct_io_off_is_ready_and_its_sidecar_writes_buffered(
+    k8s_api: client.ApiClient, ready_policy: str
+) -> None:
+    create_policy(k8s_api, ready_policy, "buffered", persistence={"directIO": False})
+    eventually(lambda: (ready_condition(k8s_api, ready_policy, "buffered") or {}).get("status") == "True",
+               what="CheckpointPolicy buffered to be Ready")
+    pod = training_pod(**{injection.POLICY_ANNOTATION: "buffered"})
+    (sidecar,) = client.CoreV1Api(k8s_api).create_namespaced_pod(ready_policy, pod).spec.init_containers
+    assert sidecar.command[-1] == "--no-direct-io"

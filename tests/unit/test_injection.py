@@ -19,7 +19,7 @@ def policy_spec(**overrides: Any) -> dict[str, Any]:
         "retention": {"keepLast": 3, "keepEvery": 0},
         "sharedMemory": {"sizeLimit": "8Gi", "slotsPerRank": 2},
         "sidecar": {"image": "", "resources": {"requests": {"cpu": "100m"}}, "metricsPort": 9464, "native": True},
-        "persistence": {"concurrency": 4, "directIO": False, "checksum": "xxh3-64"},
+        "persistence": {"concurrency": 4, "directIO": True, "checksum": "xxh3-64"},
         "commitTimeoutSeconds": 600,
     }
     for key, value in overrides.items():
@@ -76,6 +76,13 @@ def test_sidecar_command_carries_every_policy_setting() -> None:
         "--shm-dir", "/dev/shm/stowaway", "--keep-last", "5", "--keep-every", "100", "--commit-timeout", "30",
         "--persist-workers", "8", "--metrics-port", "9999",
     ]
+
+
+def test_direct_io_is_the_sidecars_default_and_a_policy_turning_it_off_adds_no_direct_io() -> None:
+    assert "--no-direct-io" not in injected()["spec"]["initContainers"][0]["command"]
+    command = injected(spec=policy_spec(persistence={"directIO": False}))["spec"]["initContainers"][0]["command"]
+    assert command.count("--no-direct-io") == 1
+    assert command[command.index("--metrics-port"):] == ["--metrics-port", "9464", "--no-direct-io"]
 
 
 def test_sidecar_is_non_root_read_only_without_capabilities_and_knows_its_node() -> None:
@@ -219,10 +226,20 @@ def test_reinvocation_on_an_injected_pod_injects_nothing() -> None:
 
 
 @pytest.mark.parametrize("where", ["containers", "initContainers"])
-def test_a_pod_already_carrying_the_sidecar_without_the_marker_is_left_alone(where: str) -> None:
+def test_a_pod_bringing_its_own_container_of_the_sidecars_name_without_the_marker_is_refused(where: str) -> None:
     pod = job_pod()
     pod["spec"].setdefault(where, []).append({"name": "stowaway-sidecar", "image": IMAGE})
-    assert injection.build_patch(pod, "default", policy_spec(), IMAGE) == {}
+    with pytest.raises(injection.InjectionError, match=r"a container named stowaway-sidecar, a name reserved for the "
+                       r"sidecar the Stowaway webhook injects, but not the annotation stowaway\.dev/injected"):
+        injection.build_patch(pod, "default", policy_spec(), IMAGE)
+
+
+def test_a_copy_of_an_injected_pod_whose_trainer_mounts_the_claim_is_refused() -> None:
+    edited = injected()
+    edited["spec"]["containers"][0]["volumeMounts"].append({"name": "stowaway-storage", "mountPath": "/ckpts"})
+    with pytest.raises(injection.InjectionError, match="'trainer' mounts the CheckpointPolicy's storage claim 'ckpts' "
+                       r"\(volume 'stowaway-storage'\)"):
+        injection.build_patch(edited, "default", policy_spec(), IMAGE)
 
 
 def test_a_pod_carrying_the_marker_without_the_sidecar_is_refused() -> None:
@@ -286,13 +303,12 @@ def test_policy_name_defaults_to_default() -> None:
     assert injection.policy_name(pod) == "fast"
 
 
-def test_a_policy_is_ready_only_with_its_claim_and_no_unsupported_setting() -> None:
+def test_a_policy_is_ready_with_its_claim_whether_direct_io_is_on_or_off() -> None:
     assert policy.judge(policy_spec(), claim_exists=True).ready
+    assert policy.judge(policy_spec(persistence={"directIO": False}), claim_exists=True).ready
     missing = policy.judge(policy_spec(), claim_exists=False)
     assert (missing.ready, missing.reason) == (False, "ClaimNotFound")
     assert "'ckpts'" in missing.message
-    direct = policy.judge(policy_spec(persistence={"directIO": True}), claim_exists=True)
-    assert (direct.ready, direct.reason) == (False, "Unsupported")
 
 
 def test_ready_transition_time_moves_only_when_readiness_flips() -> None:

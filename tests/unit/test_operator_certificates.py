@@ -70,3 +70,41 @@ def test_a_client_refuses_the_certificate_for_a_host_it_does_not_name(tmp_path: 
     with pytest.raises(ssl.SSLCertVerificationError, match=r"IP address mismatch|doesn't match"):
         handshake(port, made.ca_pem, "127.0.0.1")
     server.join(timeout=5)
+
+
+HOSTS = certificates.service_hosts("stowaway-stowaway", "stowaway-system")
+NOW = datetime.datetime.now(datetime.UTC)
+
+
+def test_the_service_names_put_the_api_servers_tls_server_name_first() -> None:
+    assert HOSTS == ["stowaway-stowaway.stowaway-system.svc", "stowaway-stowaway.stowaway-system.svc.cluster.local"]
+
+
+def test_a_stored_certificate_for_the_service_with_years_left_is_kept() -> None:
+    assert certificates.reason_to_replace(certificates.self_signed(HOSTS, days=3650), HOSTS, NOW) is None
+
+
+def test_a_certificate_within_the_renewal_window_is_replaced_with_its_end_named() -> None:
+    made = certificates.self_signed(HOSTS, days=30)
+    end = x509.load_pem_x509_certificate(made.cert_pem).not_valid_after_utc
+    assert certificates.reason_to_replace(made, HOSTS, NOW) == f"it expires on {end:%Y-%m-%d}"
+
+
+def test_a_certificate_for_another_service_or_namespace_is_replaced() -> None:
+    made = certificates.self_signed(certificates.service_hosts("stowaway-stowaway", "elsewhere"))
+    reason = certificates.reason_to_replace(made, HOSTS, NOW)
+    assert reason == f"the certificate is not for {', '.join(HOSTS)}"
+
+
+def test_an_empty_secret_as_the_manifests_create_it_is_filled() -> None:
+    assert certificates.reason_to_replace(certificates.ServingCertificate(b"", b"", b""), HOSTS, NOW) == \
+        "it is empty or not PEM"
+
+
+def test_parts_of_two_certificates_are_not_kept() -> None:
+    one, other = certificates.self_signed(HOSTS), certificates.self_signed(HOSTS)
+    foreign_ca = certificates.ServingCertificate(other.ca_pem, one.cert_pem, one.key_pem)
+    assert certificates.reason_to_replace(foreign_ca, HOSTS, NOW) == \
+        "the certificate is not signed by the CA stored with it"
+    foreign_key = certificates.ServingCertificate(one.ca_pem, one.cert_pem, other.key_pem)
+    assert certificates.reason_to_replace(foreign_key, HOSTS, NOW) == "the key does not belong to the certificate"

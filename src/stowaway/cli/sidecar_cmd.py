@@ -35,6 +35,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="cap on write bandwidth to storage (0: unlimited)")
     parser.add_argument("--grace-period", type=float, default=120.0, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight persists may take to finish")
+    parser.add_argument("--no-direct-io", dest="direct_io", action="store_false",
+                        help="write and read checkpoint files through the page cache, even where the filesystem "
+                        "supports O_DIRECT (the default uses it there)")
     parser.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                         help="also accept ranks running as this uid (the sidecar's uid and root always are)")
     parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
@@ -53,15 +56,24 @@ def run(args: argparse.Namespace) -> int:
             storage=args.storage.absolute(), socket_path=args.socket.absolute(), shm_dir=args.shm_dir.absolute(),
             keep_last=args.keep_last, keep_every=args.keep_every, commit_timeout=args.commit_timeout,
             persist_workers=args.persist_workers, write_rate_limit=args.write_rate_limit,
-            grace_period=args.grace_period,
+            grace_period=args.grace_period, direct_io=args.direct_io,
             commit_poll_interval=args.commit_poll_interval,
             metrics_port=args.metrics_port, metrics_address=args.metrics_address,
             allowed_uids=frozenset({os.getuid(), 0, *args.allow_uid}), **extra,
         )
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+    sidecar = Sidecar(config)
+    runner = asyncio.Runner()
     try:
-        asyncio.run(Sidecar(config).serve())
+        runner.run(sidecar.serve())
     except SidecarError as exc:
+        runner.close()
         raise CommandError(str(exc)) from None
+    if sidecar.abandoned_work:
+        # Closing the runner, or leaving the interpreter, joins the persist threads, which may sit in a write
+        # to slow storage for far longer than the grace period; Kubernetes would SIGKILL us anyway.
+        logging.shutdown()
+        os._exit(0)
+    runner.close()
     return 0

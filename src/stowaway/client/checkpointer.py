@@ -117,6 +117,8 @@ class Checkpointer:
         pool.ensure_capacity(slot, encoded.nbytes)
         self._register(slot)
         assert slot.file is not None
+        if encoded.cuda_devices:
+            slot.pin()
         generation = slot.next_generation()
         header.begin_write(slot.file.header_view, generation)
         codec.write_into(encoded, slot.payload(), slot.views_for(encoded.layout))

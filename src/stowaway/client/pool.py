@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from stowaway.client import pinned
 from stowaway.format import codec
 from stowaway.format.safetensors_header import Layout, Placed
 from stowaway.slots import header, naming, shm
@@ -41,6 +42,7 @@ class ClientSlot:
     _views_placement: list[Placed] | None = None
     _views_start: int = 0
     _views: list[torch.Tensor] | None = None
+    _pinned_at: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -65,7 +67,18 @@ class ClientSlot:
             self._views_placement, self._views_start = layout.tensors, layout.data_start
         return self._views
 
+    def pin(self) -> None:
+        """Register the payload as pinned host memory for CUDA, once per mapping."""
+        if self._pinned_at is None:
+            address = self.payload().data_ptr()
+            if pinned.register(address, self.capacity):
+                self._pinned_at = address
+
     def drop_view(self) -> None:
+        """Forget every view of the mapping (and unpin it) before it is remapped or closed."""
+        if self._pinned_at is not None:
+            pinned.unregister(self._pinned_at)
+            self._pinned_at = None
         self._tensor = None
         self._views = self._views_placement = None
 

@@ -30,6 +30,8 @@ _FROM_SAFETENSORS = {name: dtype for dtype, name in _TO_SAFETENSORS.items()}
 class Encoded:
     layout: st.Layout
     sources: list[torch.Tensor]
+    # CUDA devices holding some of the sources: their copies are asynchronous and must be fenced.
+    cuda_devices: frozenset[torch.device] = frozenset()
 
     @property
     def nbytes(self) -> int:
@@ -46,19 +48,21 @@ class Encoder:
     """
 
     def __init__(self) -> None:
-        self._signature: list[tuple[str, torch.dtype, torch.Size]] = []
+        self._signature: list[tuple[str, torch.dtype, torch.Size, torch.device]] = []
         self._plan: st.Plan | None = None
+        self._cuda_devices: frozenset[torch.device] = frozenset()
 
     def encode(self, state: Any, allow_pickle: bool = False) -> Encoded:
         flat = tree_mod.flatten(state, allow_pickle)
-        # Compared element by element in C: names, dtypes and torch.Size are all built-in comparisons.
-        signature = [(name, tensor.dtype, tensor.shape) for name, tensor in flat.tensors.items()]
+        # Compared element by element in C: names, dtypes, torch.Size and devices are all built-in comparisons.
+        signature = [(name, tensor.dtype, tensor.shape, tensor.device) for name, tensor in flat.tensors.items()]
         if self._plan is None or signature != self._signature:
-            specs = [st.TensorSpec(name, _TO_SAFETENSORS[dtype], tuple(shape)) for name, dtype, shape in signature]
+            specs = [st.TensorSpec(name, _TO_SAFETENSORS[dtype], tuple(shape)) for name, dtype, shape, _ in signature]
             self._signature, self._plan = signature, st.plan(specs)
+            self._cuda_devices = frozenset(device for *_, device in signature if device.type == "cuda")
         metadata = {"format": "pt", TREE_METADATA_KEY: json.dumps(flat.tree, separators=(",", ":"))}
         layout = self._plan.layout(metadata)
-        return Encoded(layout, [flat.tensors[item.spec.name] for item in layout.tensors])
+        return Encoded(layout, [flat.tensors[item.spec.name] for item in layout.tensors], self._cuda_devices)
 
 
 def targets(layout: st.Layout, payload: torch.Tensor) -> list[torch.Tensor]:
@@ -74,7 +78,14 @@ def write_into(encoded: Encoded, payload: torch.Tensor, views: list[torch.Tensor
     sources = [source for item, source in zip(encoded.layout.tensors, encoded.sources, strict=True)
                if item.begin != item.end]
     with torch.no_grad():
-        torch._foreach_copy_(views, sources)
+        if not encoded.cuda_devices:
+            torch._foreach_copy_(views, sources)
+            return
+        for view, source in zip(views, sources, strict=True):
+            view.copy_(source, non_blocking=source.device.type == "cuda")
+        # The fence: save() returns once the bytes are in the slot, so the caller may then change its tensors.
+        for device in encoded.cuda_devices:
+            torch.cuda.current_stream(device).synchronize()
 
 
 def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickle: bool = False) -> Any:

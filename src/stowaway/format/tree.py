@@ -81,9 +81,13 @@ class _Flattener:
     def _mapping(self, value: dict[Any, Any], path: Path) -> Any:
         items = []
         for key, item in value.items():
-            if key is not None and not isinstance(key, str | int | float | bool):
+            if type(key) is str:
+                encoded_key: Any = {"v": key}
+            elif key is None or isinstance(key, str | int | float | bool):
+                encoded_key = self.node(key, path)
+            else:
                 raise UnsupportedState(f"state at {_show(path)} has a key of type {type(key).__name__}")
-            items.append([self.node(key, path), self.node(item, (*path, key))])
+            items.append([encoded_key, self.node(item, (*path, key))])
         encoded: dict[str, Any] = {"d": items}
         if type(value) is OrderedDict:
             encoded["o"] = 1

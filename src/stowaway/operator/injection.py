@@ -79,26 +79,41 @@ def already_injected(pod: Mapping[str, Any]) -> bool:
     """True if the sidecar itself is present (in containers or initContainers).
 
     A reinvoked webhook sees its own sidecar, and a Pod copied from an injected
-    one carries it too. The marker alone does not count (see :func:`refuse_forged_marker`).
+    one carries it too. Neither the container nor the marker alone counts (see
+    :func:`refuse_forgeries`), so after that check this means both are there.
     """
     spec = pod.get("spec", {})
     containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
     return any(c.get("name") == SIDECAR_NAME for c in containers)
 
 
-def refuse_forged_marker(pod: Mapping[str, Any]) -> None:
-    """Refuse a Pod that carries the marker without the sidecar.
+def injected_with(pod: Mapping[str, Any]) -> str | None:
+    """The policy the marker names: the one that injected the Pod (or a copy of it), else None."""
+    return (pod.get("metadata", {}).get("annotations") or {}).get(MARKER_ANNOTATION)
 
-    Only the webhook sets the marker, always together with the sidecar. Without
-    this check the marker would be a way to opt out while looking injected: the
-    pod would run with no checkpoints, and count in the policy's ``podsInjected``.
+
+def refuse_forgeries(pod: Mapping[str, Any]) -> None:
+    """Refuse a Pod that carries the marker without the sidecar, or the sidecar without the marker.
+
+    The webhook always sets both together, and its reinvocation sees both in
+    its own patch. The marker alone would be a way to opt out while looking
+    injected (no checkpoints, yet counted in the policy's ``podsInjected``); a
+    container of the reserved name alone would make the webhook skip the pod
+    before it reads the policy, so whatever that container runs and mounts
+    (the policy's claim included) would pass unchecked.
     """
-    annotations = pod.get("metadata", {}).get("annotations") or {}
-    if MARKER_ANNOTATION in annotations and not already_injected(pod):
+    marked, present = injected_with(pod) is not None, already_injected(pod)
+    if marked and not present:
         raise InjectionError(
             f"the pod carries the annotation {MARKER_ANNOTATION}, which only the Stowaway webhook sets, but no "
             f"{SIDECAR_NAME} container; remove the annotation (was the pod copied from an injected one?) and the "
             "sidecar is injected (see docs/operator.md)"
+        )
+    if present and not marked:
+        raise InjectionError(
+            f"the pod has a container named {SIDECAR_NAME}, a name reserved for the sidecar the Stowaway webhook "
+            f"injects, but not the annotation {MARKER_ANNOTATION} the webhook sets with it; remove that container "
+            "(the webhook adds the sidecar, configured by the CheckpointPolicy) or rename it (see docs/operator.md)"
         )
 
 
@@ -129,13 +144,17 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
 
     Lists are returned whole (containers, initContainers, volumes): the caller
     diffs them against the submitted Pod into a JSON patch. Existing settings of
-    the user win: an env var the container already sets is left alone.
+    the user win: an env var the container already sets is left alone. An
+    already injected Pod (a reinvocation, or a copy of an injected Pod) is
+    still refused if another container mounts the claim: a copy may have been edited.
     """
-    refuse_forged_marker(pod)
-    if already_injected(pod):
-        return {}
+    refuse_forgeries(pod)
     pod_spec = pod.get("spec", {})
-    _refuse_conflicts(pod_spec, spec["storage"]["persistentVolumeClaim"]["claimName"])
+    claim = spec["storage"]["persistentVolumeClaim"]["claimName"]
+    if already_injected(pod):
+        _refuse_claim_mounts(pod_spec, claim)
+        return {}
+    _refuse_conflicts(pod_spec, claim)
     job = job_name(pod)
     client_env = [
         {"name": "STOWAWAY_SOCKET", "value": SOCKET_PATH},
@@ -183,34 +202,44 @@ def _shared_group(pod_spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _refuse_conflicts(pod_spec: Mapping[str, Any], claim: str) -> None:
-    """Refuse a Pod whose own volumes or mounts would collide with ours, rather than inject a broken one.
-
-    The policy's claim is the sidecar's alone: a trainer writing into it could
-    corrupt or delete committed checkpoints behind the sidecar's retention and
-    commit protocol, so a Pod that mounts it itself is refused too.
-    """
-    claim_volumes = {
-        v.get("name") for v in pod_spec.get("volumes") or []
-        if (v.get("persistentVolumeClaim") or {}).get("claimName") == claim
-    }
+    """Refuse a Pod whose own volumes or mounts would collide with ours, rather than inject a broken one."""
     taken = {v.get("name") for v in pod_spec.get("volumes") or []} & set(OUR_VOLUMES)
     if taken:
         raise InjectionError(
             f"the pod already has volume(s) {', '.join(sorted(taken))}, names reserved for the Stowaway sidecar; "
             "rename them"
         )
+    _refuse_claim_mounts(pod_spec, claim)
     for container in [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]:
+        for mount in container.get("volumeMounts") or []:
+            if mount.get("mountPath", "").rstrip("/") in (SHM_PATH, SOCKET_DIR):
+                raise InjectionError(
+                    f"container {container.get('name')!r} already mounts {mount['mountPath']} (volume "
+                    f"{mount.get('name')!r}); remove that mount: Stowaway provides it, sized by the CheckpointPolicy"
+                )
+
+
+def _refuse_claim_mounts(pod_spec: Mapping[str, Any], claim: str) -> None:
+    """Refuse a Pod in which any container but the sidecar mounts the policy's claim.
+
+    The claim is the sidecar's alone: a trainer writing into it could corrupt
+    or delete committed checkpoints behind the sidecar's retention and commit
+    protocol. Checked for injected Pods too (the sidecar's own storage volume
+    is the claim's, so the sidecar is the one container exempt).
+    """
+    claim_volumes = {
+        v.get("name") for v in pod_spec.get("volumes") or []
+        if (v.get("persistentVolumeClaim") or {}).get("claimName") == claim
+    }
+    for container in [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]:
+        if container.get("name") == SIDECAR_NAME:
+            continue
         for mount in container.get("volumeMounts") or []:
             if mount.get("name") in claim_volumes:
                 raise InjectionError(
                     f"container {container.get('name')!r} mounts the CheckpointPolicy's storage claim {claim!r} "
                     f"(volume {mount['name']!r}); only the Stowaway sidecar may write it: remove that mount and "
                     "read checkpoints with the client's load() (see docs/operator.md)"
-                )
-            if mount.get("mountPath", "").rstrip("/") in (SHM_PATH, SOCKET_DIR):
-                raise InjectionError(
-                    f"container {container.get('name')!r} already mounts {mount['mountPath']} (volume "
-                    f"{mount.get('name')!r}); remove that mount: Stowaway provides it, sized by the CheckpointPolicy"
                 )
 
 
@@ -257,6 +286,9 @@ def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image
         "--persist-workers", str(spec["persistence"]["concurrency"]),
         "--metrics-port", str(sidecar_spec["metricsPort"]),
     ]
+    if not spec["persistence"]["directIO"]:
+        # The sidecar uses O_DIRECT wherever the filesystem allows it unless told otherwise.
+        command.append("--no-direct-io")
     for uid in _trainer_uids(pod_spec):
         command += ["--allow-uid", str(uid)]
     storage_mount = {"name": STORAGE_VOLUME, "mountPath": STORAGE_PATH}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import kopf
+from kubernetes import client
 
 from stowaway.operator import certificates, cluster, injection, policy
 from stowaway.operator.settings import OperatorSettings
@@ -21,35 +22,49 @@ NEVER_INJECTED = frozenset({"kube-system"})
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     config: OperatorSettings = memo.config
     settings.peering.standalone = True
     settings.posting.enabled = False
-    settings.admission.server = _webhook_server(config)
+    memo.api = cluster.connect()
+    settings.admission.server = await _webhook_server(config, memo.api)
     if config.dev_host:
         settings.admission.managed = "stowaway-dev.stowaway.dev"
-    memo.api = cluster.connect()
     # Set on the memo kopf copies (shallowly) to every object's handlers, so pod events share the locks.
     memo.count_locks = {}
 
 
-def _webhook_server(config: OperatorSettings) -> kopf.WebhookServer:
+async def _webhook_server(config: OperatorSettings, api: client.ApiClient) -> kopf.WebhookServer:
     if config.cert_dir is not None:
         return kopf.WebhookServer(
             addr="0.0.0.0", port=config.webhook_port,
             certfile=str(config.cert_dir / "tls.crt"), pkeyfile=str(config.cert_dir / "tls.key"),
             host=config.dev_host,
         )
+    if config.managed_tls is not None:
+        # Both before the server answers, so the API server's first call already trusts what it is shown.
+        made = await asyncio.to_thread(cluster.ensure_webhook_certificate, api, config.namespace, config.managed_tls)
+        await asyncio.to_thread(cluster.set_ca_bundle, api, config.managed_tls.configuration, made.ca_pem)
+        folder = _write_certificate(made)
+        return kopf.WebhookServer(
+            addr="0.0.0.0", port=config.webhook_port,
+            certfile=str(folder / "tls.crt"), pkeyfile=str(folder / "tls.key"),
+        )
     # Development only: a throw-away certificate for the host kopf registers itself under.
     assert config.dev_host is not None
-    made = certificates.self_signed([config.dev_host])
-    folder = Path(tempfile.mkdtemp(prefix="stowaway-webhook-"))
-    for name, pem in (("ca.crt", made.ca_pem), ("tls.crt", made.cert_pem), ("tls.key", made.key_pem)):
-        (folder / name).write_bytes(pem)
+    folder = _write_certificate(certificates.self_signed([config.dev_host]))
     return kopf.WebhookServer(
         addr="0.0.0.0", port=config.webhook_port, host=config.dev_host,
         certfile=str(folder / "tls.crt"), pkeyfile=str(folder / "tls.key"), cafile=str(folder / "ca.crt"),
     )
+
+
+def _write_certificate(made: certificates.ServingCertificate) -> Path:
+    """kopf's server reads files: a private folder under /tmp (the Deployment's only writable path)."""
+    folder = Path(tempfile.mkdtemp(prefix="stowaway-webhook-"))
+    for name, pem in (("ca.crt", made.ca_pem), ("tls.crt", made.cert_pem), ("tls.key", made.key_pem)):
+        (folder / name).write_bytes(pem)
+    return folder
 
 
 @kopf.on.mutate(
@@ -75,10 +90,16 @@ async def _inject(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> str:
         return "skipped"
     pod = dict(body)
     try:
-        injection.refuse_forged_marker(pod)
+        injection.refuse_forgeries(pod)
     except injection.InjectionError as exc:
         raise kopf.AdmissionError(f"cannot inject the Stowaway sidecar: {exc}", code=400) from None
-    if injection.already_injected(pod):
+    injected_with = injection.injected_with(pod)
+    if injected_with is not None:
+        # The marker comes with the sidecar (refuse_forgeries): a reinvocation, or a copy of an injected pod, which
+        # is checked against the policy that injected it (that need not be Ready now; a deleted one protects nothing).
+        found = await asyncio.to_thread(cluster.read_policy, memo.api, namespace, injected_with)
+        if found is not None:
+            _build(pod, injected_with, found, memo)
         return "already_injected"
     name = injection.policy_name(pod)
     found = await asyncio.to_thread(cluster.read_policy, memo.api, namespace, name)
@@ -93,12 +114,15 @@ async def _inject(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> str:
             f"CheckpointPolicy {name!r} in namespace {namespace!r} is not Ready: {policy.not_ready_reason(found)}",
             code=400,
         )
+    patch.update(_build(pod, name, found, memo))
+    return "injected"
+
+
+def _build(pod: dict[str, Any], name: str, found: dict[str, Any], memo: kopf.Memo) -> dict[str, Any]:
     try:
-        fragment = injection.build_patch(pod, name, found["spec"], memo.config.sidecar_image)
+        return injection.build_patch(pod, name, found["spec"], memo.config.sidecar_image)
     except injection.InjectionError as exc:
         raise kopf.AdmissionError(f"cannot inject the Stowaway sidecar: {exc}", code=400) from None
-    patch.update(fragment)
-    return "injected"
 
 
 @kopf.on.event(policy.GROUP, policy.VERSION, policy.PLURAL)

@@ -28,8 +28,8 @@ class Verdict:
 def judge(spec: Mapping[str, Any], claim_exists: bool) -> Verdict:
     """Decide whether pods may be injected with this policy.
 
-    The schema already bounds every field; what remains needs the cluster
-    (the claim) or knowledge of what this release of the sidecar implements.
+    The schema already bounds every field (``persistence.checksum`` to the one
+    the sidecar implements); what remains needs the cluster: the claim.
     """
     claim = spec["storage"]["persistentVolumeClaim"]["claimName"]
     if not claim_exists:
@@ -37,11 +37,6 @@ def judge(spec: Mapping[str, Any], claim_exists: bool) -> Verdict:
             False, "ClaimNotFound",
             f"PersistentVolumeClaim {claim!r} does not exist in this namespace; create it or fix "
             "spec.storage.persistentVolumeClaim.claimName",
-        )
-    if spec["persistence"]["directIO"]:
-        return Verdict(
-            False, "Unsupported",
-            "spec.persistence.directIO is not implemented by this release of the sidecar; set it to false",
         )
     return Verdict(True, "Valid", f"pods labelled stowaway.dev/inject=enabled get a sidecar storing to claim {claim!r}")
 

@@ -62,8 +62,10 @@ class FrameDecoder:
 
     def _parse(self, payload: bytes) -> dict[str, Any]:
         try:
-            message = json.loads(payload.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            message = json.loads(payload.decode("utf-8"), parse_constant=_refuse_constant)
+        except (ValueError, RecursionError) as exc:
+            # ValueError covers bad UTF-8, bad JSON, NaN/Infinity, and integers longer than Python's
+            # 4300-digit conversion limit, which json raises as a plain ValueError.
             self._fail(f"frame is not UTF-8 JSON: {exc}")
         if not isinstance(message, dict):
             self._fail(f"frame holds a JSON {type(message).__name__}, expected an object")
@@ -72,3 +74,8 @@ class FrameDecoder:
     def _fail(self, reason: str) -> None:
         self._broken = FrameError(reason)
         raise self._broken
+
+
+def _refuse_constant(name: str) -> None:
+    """NaN and Infinity are not JSON (RFC 8259); ``encode`` never sends them, so nobody honest does."""
+    raise ValueError(f"{name} is not a JSON value")

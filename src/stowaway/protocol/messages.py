@@ -13,10 +13,15 @@ from typing import Any
 
 PROTOCOL_VERSION = 1
 
-JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+# \Z, not $: "$" also matches before a trailing newline, which would let "job\n" name a directory.
+JOB_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+NODE_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,252}\Z")
 MAX_SLOTS_PER_RANK = 64
 MAX_WORLD_SIZE = 1 << 20
+# Steps, generations and sizes are stored as 64-bit integers (slot header, file names); a value outside
+# this range can only come from a broken or hostile peer.
+MAX_INT64 = 2**63 - 1
+NON_NEGATIVE = frozenset({"step", "generation", "nbytes", "capacity", "pid"})
 
 _INT = int
 _NUM = (int, float)
@@ -76,6 +81,8 @@ def validate(message: dict[str, Any], schema: dict[str, dict[str, Any]]) -> dict
             raise MessageError(f"{kind}.{field} must be {_describe(expected)}, got a boolean")
         if not isinstance(value, expected):
             raise MessageError(f"{kind}.{field} must be {_describe(expected)}, got {type(value).__name__}")
+        if field in NON_NEGATIVE and isinstance(value, int) and not 0 <= value <= MAX_INT64:
+            raise MessageError(f"{kind}.{field} must be between 0 and {MAX_INT64}, got {value}")
     return message
 
 

@@ -24,6 +24,7 @@ class SidecarConfig:
     allowed_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.getuid(), 0}))
     metrics_port: int = 0
     metrics_address: str = "0.0.0.0"
+    direct_io: bool = True
 
     def __post_init__(self) -> None:
         if len(os.fsencode(self.socket_path)) >= 108:

@@ -93,7 +93,7 @@ def check_slot(slot: SlotFile, step: int, generation: int, nbytes: int) -> None:
 
 
 def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Path,
-             limiter: RateLimiter) -> Written:
+             limiter: RateLimiter, direct: bool) -> Written:
     check_slot(slot, step, generation, nbytes)
     try:
         durable.make_dirs(final.parent)
@@ -101,7 +101,7 @@ def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Pat
         raise classify(exc, final.parent) from exc
     tmp = final.with_name(final.name + TMP_SUFFIX)
     try:
-        fd = direct_io.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, durable.FILE_MODE)
+        fd = direct_io.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, durable.FILE_MODE, direct)
     except OSError as exc:
         raise classify(exc, tmp) from exc
     written = Written(tmp, final, fd, nbytes, "")

@@ -55,7 +55,7 @@ class SavePipeline:
                 started = time.monotonic()
                 written = await asyncio.to_thread(
                     persister.copy_out, state.slots[slot_index], step, request["generation"],
-                    request["nbytes"], final, self._limiter,
+                    request["nbytes"], final, self._limiter, self._config.direct_io,
                 )
                 state.memory_digests[slot_index] = (request["generation"], step, written.digest)
                 state.busy.discard(slot_index)

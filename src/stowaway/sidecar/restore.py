@@ -63,7 +63,7 @@ def _slot_holding(state: RankState, step: int, entry: manifest.FileEntry) -> int
     return None
 
 
-def stage(job_path: Path, state: RankState, slot: SlotFile, step: int) -> tuple[int, int]:
+def stage(job_path: Path, state: RankState, slot: SlotFile, step: int, direct: bool) -> tuple[int, int]:
     """Fill ``slot`` with the rank's stored file of ``step``; return (generation, nbytes)."""
     step_path = layout.step_dir(job_path, step)
     try:
@@ -79,7 +79,7 @@ def stage(job_path: Path, state: RankState, slot: SlotFile, step: int) -> tuple[
     generation = current.generation + 1
     header.begin_write(slot.header_view, generation)
     try:
-        fd = direct_io.open_file(path, os.O_RDONLY)
+        fd = direct_io.open_file(path, os.O_RDONLY, direct=direct)
         try:
             offset, digest = direct_io.read_into(fd, slot.payload(), entry.bytes)
         finally:

@@ -46,19 +46,23 @@ class Sidecar:
         self._stop = asyncio.Event()
         self._sessions: set[asyncio.Task[None]] = set()
         self._server: asyncio.base_events.Server | None = None
+        # Set when the grace period ended with persists or commits still running: their threads may be
+        # stuck in a storage write that nothing can interrupt, so the process must not wait for them.
+        self.abandoned_work = False
 
     def request_stop(self) -> None:
         self._stop.set()
 
     async def serve(self) -> None:
+        # Before the socket or the probes show us as up: from then on a SIGTERM must drain, not kill.
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
         self.pipeline = SavePipeline(self.config, self.committer, self.stats)
         self._prepare_directories()
         endpoints = await self._start_endpoints()
         try:
             self._server = server = await self._listen()
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(signum, self.request_stop)
             log.info(
                 "sidecar ready: socket %s, shared memory %s, storage %s, node %s",
                 self.config.socket_path, self.config.shm_dir, self.config.storage, self.config.node,
@@ -144,6 +148,9 @@ class Sidecar:
         self._sessions.add(task)
         try:
             await session.run()
+        except asyncio.CancelledError:
+            # Shutdown ends connections by cancelling them; that is their normal end, not an error to log.
+            pass
         finally:
             self._sessions.discard(task)
 
@@ -155,11 +162,17 @@ class Sidecar:
         deadline = loop.time() + grace
         drained = await self.pipeline.drain(grace)
         commits = self.committer.pending_tasks()
+        unfinished: set[asyncio.Task[None]] = set()
         if commits:
             _, unfinished = await asyncio.wait(commits, timeout=max(0.0, deadline - loop.time()))
-            drained = drained and not unfinished
-        if not drained:
-            log.warning("grace period of %.0f s ended with work in flight; it was abandoned", grace)
+        if not drained or unfinished:
+            self.abandoned_work = True
+            log.warning(
+                "grace period of %.0f s ended with work in flight (%d slot(s) still being copied, %d commit(s) "
+                "pending); it was abandoned: those steps have no manifest, so none of them counts as committed. "
+                "Raise --grace-period (and the pod's terminationGracePeriodSeconds) if storage is this slow",
+                grace, self.registry.in_flight(), len(unfinished),
+            )
         for task in list(self._sessions):
             task.cancel()
         with contextlib.suppress(FileNotFoundError):

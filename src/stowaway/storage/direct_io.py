@@ -32,13 +32,14 @@ def page_round(nbytes: int) -> int:
     return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def open_file(path: Path, flags: int, mode: int = 0o600) -> int:
-    """Open with ``O_DIRECT`` when the filesystem supports it, else without."""
-    try:
-        return os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC, mode)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
+def open_file(path: Path, flags: int, mode: int = 0o600, direct: bool = True) -> int:
+    """Open with ``O_DIRECT`` when asked and the filesystem supports it, else without."""
+    if direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC, mode)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
     return os.open(path, flags | os.O_CLOEXEC, mode)
 
 

@@ -1,0 +1,58 @@
+"""Device tensors go straight from the GPU into a pinned slot, and save() returns only once they are there.
+
+These need a CUDA device; on a machine without one they are skipped, and the
+same checks run on the device machine (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stowaway import Checkpointer
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device here: the GPU-to-slot copy path (pinned slot, fenced non-blocking copies) "
+           "is checked on a machine with one",
+)
+
+
+def device_state() -> dict[str, torch.Tensor]:
+    generator = torch.Generator("cuda").manual_seed(0)
+    return {
+        "big": torch.randn(64 * 2**20 // 4, device="cuda", generator=generator),
+        "bf16": torch.randn(4096, 257, device="cuda", generator=generator).to(torch.bfloat16),
+        "ints": torch.randint(0, 1000, (1000,), device="cuda", generator=generator),
+        "host": torch.arange(10.0),
+    }
+
+
+def test_the_stored_checkpoint_holds_the_values_at_save_time_not_later_ones(start_sidecar, storage):
+    sidecar = start_sidecar()
+    state = device_state()
+    expected = {name: tensor.cpu() for name, tensor in state.items()}
+    with Checkpointer(job="gpu", socket=sidecar.socket, rank=0, world_size=1, timeout=60) as ckpt:
+        handle = ckpt.save(1, state)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # a change the save's stream knows nothing about
+            for tensor in state.values():
+                tensor.add_(1)
+        handle.wait(60)
+        assert ckpt._require_pool().slots[0].payload().is_pinned(), "the slot was not registered as pinned memory"
+    stored = load_file(storage / "gpu" / "step-000000000001" / "rank-00000-of-00001.safetensors")
+    for name, tensor in expected.items():
+        assert torch.equal(stored[name], tensor), f"{name}: the stored bytes are not those of save time"
+
+
+def test_restore_onto_the_device(start_sidecar):
+    sidecar = start_sidecar()
+    state = device_state()
+    with Checkpointer(job="gpu", socket=sidecar.socket, rank=0, world_size=1, timeout=60) as ckpt:
+        ckpt.save(2, state).wait(60)
+        step, restored = ckpt.load(map_location="cuda")
+    assert step == 2
+    for name, tensor in state.items():
+        assert restored[name].device.type == "cuda"
+        assert torch.equal(restored[name].cpu(), tensor.cpu()), name

@@ -1,0 +1,244 @@
+"""The kill -9 campaign: the sidecar or a rank dies at a random point of save, persist or commit.
+
+Each trial saves one step on every rank, waits until the step reaches the
+chosen point (observed in the slot headers and the storage directory, never
+guessed from a sleep), SIGKILLs the victim, restarts what died, and checks
+what a user relies on:
+
+- no committed checkpoint is torn: ``stowaway verify`` passes every step
+  committed so far, and each manifest names a file for every rank;
+- no committed checkpoint is lost: every step committed before the trial is
+  still committed after it;
+- ``load()`` returns one step, the newest committed one, intact on every rank;
+- the next save (at that step + 1, as a training loop continues) commits.
+
+``STOWAWAY_FAULT_TRIALS`` sets the number of trials (CI runs a few; see
+docs/reliability.md for the long run), ``STOWAWAY_FAULT_SEED`` replays a run,
+``STOWAWAY_FAULT_REPORT`` names a JSON file that receives the tally.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from data_path.processes import RankProcess, SidecarProcess, wait_for
+
+from stowaway.slots import header, naming
+from stowaway.storage import catalog, layout, manifest
+
+pytestmark = pytest.mark.faults
+
+TRIALS = int(os.environ.get("STOWAWAY_FAULT_TRIALS", "8"))
+SEED = int(os.environ.get("STOWAWAY_FAULT_SEED") or random.SystemRandom().randrange(2**32))
+REPORT = os.environ.get("STOWAWAY_FAULT_REPORT")
+JOB = "campaign"
+WORLD = 2
+SLOTS = 2
+SMALL = 2**17  # float64 elements: 1 MiB per rank
+BIG = 2**20  # 8 MiB per rank, so that a slot stays WRITING long enough to be caught
+RATE = 8 * 2**20  # bytes/s: a 1 MiB persist lasts about 125 ms, long enough to be caught mid-copy
+
+
+class Point(enum.IntEnum):
+    """How far a step has got, as seen from outside the processes; each point implies the ones before."""
+
+    QUIET = 0
+    WRITING = 1  # a rank's slot is being written, or holds the step but nothing reached storage
+    COPYING = 2  # the sidecar is copying a slot: a rank file under its temporary name
+    DURABLE = 3  # a rank file under its final name, no receipt yet
+    RECEIPT = 4  # the node's receipt is written, the manifest is not
+    COMMITTED = 5  # the manifest exists
+
+
+TARGETS = {
+    "sidecar": [Point.WRITING, Point.COPYING, Point.DURABLE, Point.RECEIPT, Point.COMMITTED],
+    "rank": [Point.WRITING, Point.COPYING, Point.DURABLE, Point.COMMITTED],
+}
+
+
+@dataclass
+class Tally:
+    seed: int
+    trials: int = 0
+    by_victim_target: Counter[str] = field(default_factory=Counter)
+    by_victim_landed: Counter[str] = field(default_factory=Counter)
+    torn_slots_left: int = 0
+    save_errors: Counter[str] = field(default_factory=Counter)
+    committed: int = 0
+    verified: int = 0
+    lost: int = 0
+    torn: int = 0
+    seconds: float = 0.0
+
+    def as_json(self) -> dict[str, object]:
+        return {key: dict(value) if isinstance(value, Counter) else value for key, value in vars(self).items()}
+
+
+class Campaign:
+    def __init__(self, sidecar: SidecarProcess, start_rank: Callable[..., RankProcess], storage: Path,
+                 tally: Tally) -> None:
+        self.sidecar = sidecar
+        self.start_rank = start_rank
+        self.job_path = storage / JOB
+        self.tally = tally
+        self.ranks = [self._start(rank) for rank in range(WORLD)]
+        self.committed: set[int] = set()
+        self.verified: set[int] = set()
+
+    def _start(self, rank: int) -> RankProcess:
+        return self.start_rank(self.sidecar, job=JOB, rank=rank, world_size=WORLD)
+
+    def point(self, step: int, ranks: list[int]) -> Point:
+        step_path = layout.step_dir(self.job_path, step)
+        if (step_path / layout.MANIFEST).exists():
+            return Point.COMMITTED
+        if (step_path / layout.receipt_name(self.sidecar.name)).exists():
+            return Point.RECEIPT
+        names = set(os.listdir(step_path)) if step_path.is_dir() else set()
+        files = [layout.rank_file_name(rank, WORLD) for rank in ranks]
+        if any(name in names for name in files):
+            return Point.DURABLE
+        if any(name + layout.TMP_SUFFIX in names for name in files):
+            return Point.COPYING
+        if any(found.state is header.SlotState.WRITING or (found.complete and found.step == step)
+               for found in self.slot_headers(ranks)):
+            return Point.WRITING
+        return Point.QUIET
+
+    def slot_headers(self, ranks: list[int]) -> list[header.SlotHeader]:
+        found = []
+        for rank in ranks:
+            for index in range(SLOTS):
+                try:
+                    with open(naming.slot_path(self.sidecar.shm_dir, JOB, rank, index), "rb") as handle:
+                        found.append(header.read(handle.read(64)))
+                except (OSError, header.SlotHeaderError):
+                    continue  # not created yet, or created and not yet initialised
+        return found
+
+    def trial(self, rng: random.Random) -> None:
+        victim = rng.choice(sorted(TARGETS))
+        target = rng.choice(TARGETS[victim])
+        victim_rank = rng.randrange(WORLD)
+        step = max(self.committed, default=0) + 1
+        watched = list(range(WORLD)) if victim == "sidecar" else [victim_rank]
+        numel = BIG if target is Point.WRITING else SMALL
+        self.tally.by_victim_target[f"{victim} at {target.name}"] += 1
+
+        for rank in self.ranks:
+            rank.send(op="save", step=step, numel=numel)
+
+        def reached() -> Point | None:
+            now = self.point(step, watched)
+            return now if now >= target else None
+
+        landed = wait_for(reached, f"step {step} to reach {target.name}", interval=0.0005)
+        if victim == "sidecar":
+            self.sidecar.kill()
+            landed = self.point(step, watched)  # frozen now: nothing else writes storage
+            self.sidecar.start()
+            self._collect_save_replies(self.ranks)  # saves blocked on the dead sidecar went to the new one
+        else:
+            self.ranks[victim_rank].kill()
+            if any(found.state is header.SlotState.WRITING for found in self.slot_headers([victim_rank])):
+                self.tally.torn_slots_left += 1
+            self._collect_save_replies([r for i, r in enumerate(self.ranks) if i != victim_rank])
+        # Settle before load(): SIGTERM drains what the sidecar still persists or commits, so every rank's
+        # load() sees the same committed steps. Without a process group nothing else makes ranks agree while
+        # a commit is in flight (client/agreement.py), and a training job restarts its ranks after a crash.
+        assert self.sidecar.stop() == 0, self.sidecar.log()[-3000:]
+        self.sidecar.start()
+        if victim == "rank":
+            self.ranks[victim_rank] = self._start(victim_rank)
+        self.tally.by_victim_landed[f"{victim} at {landed.name}"] += 1
+
+        self.check_storage()
+        restored = self.check_load()
+        following = restored + 1
+        for rank in self.ranks:
+            rank.save(following, numel=SMALL)
+        for rank in self.ranks:
+            answer = rank.wait(following)
+            assert answer["committed"], f"the first save after the restart (step {following}) failed: {answer}"
+        self.check_storage()
+        self.tally.trials += 1
+
+    def _collect_save_replies(self, ranks: list[RankProcess]) -> None:
+        """A save interrupted by a dying sidecar may raise, but with a clear error, and only a Stowaway one."""
+        for rank in ranks:
+            answer = rank.read()
+            if "error" in answer:
+                assert answer["type"] in {"SidecarUnavailable", "SaveFailed"} and answer["error"], answer
+                self.tally.save_errors[answer["type"]] += 1
+            else:
+                assert "saved" in answer, answer
+
+    def check_storage(self) -> None:
+        now = set(catalog.committed_steps(self.job_path))
+        lost = self.committed - now
+        self.tally.lost += len(lost)
+        assert not lost, f"committed checkpoints disappeared: steps {sorted(lost)}"
+        for step in sorted(now - self.verified):
+            verify = subprocess.run([sys.executable, "-m", "stowaway", "verify", str(self.job_path),
+                                     "--step", str(step)], capture_output=True, text=True, timeout=120)
+            if verify.returncode != 0:
+                self.tally.torn += 1
+            assert verify.returncode == 0 and f"step {step}: ok" in verify.stdout, verify.stdout + verify.stderr
+            found = manifest.read_manifest(layout.step_dir(self.job_path, step))
+            assert [entry.rank for entry in found.files] == list(range(WORLD)), found.files
+            self.verified.add(step)
+        self.committed = now
+        self.tally.committed = len(now)
+        self.tally.verified = len(self.verified)
+
+    def check_load(self) -> int:
+        answers = [rank.call(op="load") for rank in self.ranks]
+        newest = max(self.committed)
+        assert answers == [{"step": newest, "intact": True, "numel": answers[0]["numel"]}] * WORLD, (
+            f"every rank must restore the newest committed step {newest} intact: {answers}")
+        return newest
+
+
+@pytest.mark.timeout(120 + 40 * TRIALS)
+def test_kill_9_at_random_points_never_tears_or_loses_a_committed_checkpoint(
+    start_sidecar, start_rank, storage, capsys
+):
+    tally = Tally(SEED)
+    with capsys.disabled():
+        print(f"\nkill campaign: {TRIALS} trials, seed {SEED} (replay: STOWAWAY_FAULT_SEED={SEED})", flush=True)
+    rng = random.Random(SEED)
+    sidecar = start_sidecar(extra=["--write-rate-limit", str(RATE)])
+    campaign = Campaign(sidecar, start_rank, storage, tally)
+    for rank in campaign.ranks:
+        rank.save(1, numel=SMALL)
+    for rank in campaign.ranks:
+        assert rank.wait(1)["committed"]
+    campaign.check_storage()
+
+    started = time.monotonic()
+    for index in range(TRIALS):
+        try:
+            campaign.trial(rng)
+        except AssertionError as exc:
+            raise AssertionError(f"seed {SEED}, trial {index}: {exc}") from exc
+    tally.seconds = round(time.monotonic() - started, 1)
+
+    every = subprocess.run([sys.executable, "-m", "stowaway", "verify", str(storage / JOB)],
+                           capture_output=True, text=True, timeout=600)
+    assert every.returncode == 0, every.stdout[-3000:] + every.stderr
+    assert tally.trials == TRIALS and tally.lost == 0 and tally.torn == 0
+    with capsys.disabled():
+        print(f"kill campaign: {json.dumps(tally.as_json(), sort_keys=True)}", flush=True)
+    if REPORT:
+        Path(REPORT).write_text(json.dumps(tally.as_json(), indent=2, sort_keys=True) + "\n")
