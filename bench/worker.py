@@ -42,7 +42,9 @@ class Run:
     def record(self, name: str, seconds: float) -> None:
         self.results.setdefault(name, []).append(self.slowest(seconds))
 
-    def timed(self, name: str, action: Callable[[], Any]) -> Any:
+    def timed(self, name: str, action: Callable[[], Any], fresh_heap: bool = False) -> Any:
+        if fresh_heap:
+            system.release_free_heap()
         dist.barrier()
         started = time.perf_counter()
         result = action()
@@ -64,11 +66,11 @@ def measure_stowaway(run: Run, training: dict[str, Any], extra: dict[str, Any]) 
             if growth is not None:
                 extra["page_cache_growth_bytes"] = growth.stop()
         for _ in range(run.reps):
-            restored = run.timed("stowaway.restore.memory", ckpt.load)
+            restored = run.timed("stowaway.restore.memory", ckpt.load, fresh_heap=True)
             assert restored is not None and restored[0] == run.reps, f"restored {restored and restored[0]}"
             del restored
         for step in range(run.reps):
-            restored = run.timed("stowaway.restore.storage", lambda step=step: ckpt.load(step=step))
+            restored = run.timed("stowaway.restore.storage", lambda step=step: ckpt.load(step=step), fresh_heap=True)
             assert restored is not None and restored[0] == step
             del restored
     extra["rank_peak_rss_bytes"] = run.slowest(system.status_bytes("self", "VmHWM"))
@@ -84,7 +86,7 @@ def measure_references(run: Run, training: dict[str, Any]) -> None:
         for _ in range(run.reps):
             run.timed("reference.copy", lambda: references.copy_into(views, sources))
         for _ in range(run.reps):
-            run.timed("reference.copy_out_fresh", lambda: references.copy_out_fresh(views))
+            run.timed("reference.copy_out_fresh", lambda: references.copy_out_fresh(views), fresh_heap=True)
         for direct in (False, True):
             for _ in range(run.reps):
                 name = "reference.write_direct" if direct else "reference.write_buffered"
@@ -107,7 +109,7 @@ def measure_torch_save(run: Run, training: dict[str, Any]) -> None:
         run.record("torch.save_fsync", time.perf_counter() - started)
     for _ in range(run.reps):
         _sync_and_drop(path)
-        run.timed("torch.load", lambda: torch.load(path, weights_only=True))
+        run.timed("torch.load", lambda: torch.load(path, weights_only=True), fresh_heap=True)
     path.unlink()
 
 

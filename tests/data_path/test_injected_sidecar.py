@@ -25,8 +25,8 @@ POLICY_SPEC = {
     "storage": {"persistentVolumeClaim": {"claimName": "ckpts", "subPath": ""}},
     "retention": {"keepLast": 3, "keepEvery": 0},
     "sharedMemory": {"sizeLimit": "1Gi", "slotsPerRank": 2},
-    "sidecar": {"image": "", "resources": {}, "metricsPort": 9464, "native": True},
-    "persistence": {"concurrency": 2, "directIO": False, "checksum": "xxh3-64"},
+    "sidecar": {"image": "", "resources": {}, "metricsPort": 9464, "native": True, "gracePeriodSeconds": 120},
+    "persistence": {"concurrency": 2, "directIO": True, "checksum": "xxh3-64"},
     "commitTimeoutSeconds": 60,
 }
 POD = {

@@ -48,3 +48,17 @@ def test_a_node_that_never_reports_fails_the_step_with_a_commit_timeout(start_si
         assert not answer["committed"]
         assert "commit of step 1 timed out after 2 s waiting for receipts of ranks 2, 3" in answer["error"]
     assert not (layout.step_dir(storage / "lonely", 1) / layout.MANIFEST).exists()
+
+
+def test_a_local_rank_that_never_saves_fails_the_step_at_the_commit_timeout(start_sidecar, start_rank, storage):
+    node = start_sidecar("a", extra=["--commit-timeout", "1"])
+    saver = start_rank(node, job="half", rank=0, world_size=2)
+    start_rank(node, job="half", rank=1, world_size=2)  # connected, but never saves step 1
+    saver.save(1)
+    answer = saver.wait(1, timeout=30)
+    assert not answer["committed"]
+    assert ("commit of step 1 timed out after 1 s: 1 of this node's 2 ranks made their file durable (ranks 0)"
+            in answer["error"])
+    assert not (layout.step_dir(storage / "half", 1) / layout.MANIFEST).exists()
+    saver.save(2)
+    assert not saver.wait(2, timeout=30)["committed"], "a later step must not commit without rank 1 either"

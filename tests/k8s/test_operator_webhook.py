@@ -28,6 +28,7 @@ def test_a_good_policy_goes_ready_with_observed_generation(k8s_api: client.ApiCl
     # The server filled in the CRD's defaults the injection relies on.
     assert policy["spec"]["retention"] == {"keepLast": 3, "keepEvery": 0}
     assert policy["spec"]["sidecar"]["native"] is True
+    assert policy["spec"]["sidecar"]["gracePeriodSeconds"] == 120
     assert policy["spec"]["persistence"] == {"concurrency": 4, "directIO": True, "checksum": "xxh3-64"}
 
 

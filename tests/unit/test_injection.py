@@ -18,7 +18,8 @@ def policy_spec(**overrides: Any) -> dict[str, Any]:
         "storage": {"persistentVolumeClaim": {"claimName": "ckpts", "subPath": ""}},
         "retention": {"keepLast": 3, "keepEvery": 0},
         "sharedMemory": {"sizeLimit": "8Gi", "slotsPerRank": 2},
-        "sidecar": {"image": "", "resources": {"requests": {"cpu": "100m"}}, "metricsPort": 9464, "native": True},
+        "sidecar": {"image": "", "resources": {"requests": {"cpu": "100m"}}, "metricsPort": 9464, "native": True,
+                    "gracePeriodSeconds": 120},
         "persistence": {"concurrency": 4, "directIO": True, "checksum": "xxh3-64"},
         "commitTimeoutSeconds": 600,
     }
@@ -74,7 +75,7 @@ def test_sidecar_command_carries_every_policy_setting() -> None:
         "stowaway", "sidecar", "--storage", "/var/lib/stowaway/storage",
         "--socket", "/var/run/stowaway/sidecar/sidecar.sock",
         "--shm-dir", "/dev/shm/stowaway", "--keep-last", "5", "--keep-every", "100", "--commit-timeout", "30",
-        "--persist-workers", "8", "--metrics-port", "9999",
+        "--persist-workers", "8", "--metrics-port", "9999", "--grace-period", "120",
     ]
 
 
@@ -82,7 +83,24 @@ def test_direct_io_is_the_sidecars_default_and_a_policy_turning_it_off_adds_no_d
     assert "--no-direct-io" not in injected()["spec"]["initContainers"][0]["command"]
     command = injected(spec=policy_spec(persistence={"directIO": False}))["spec"]["initContainers"][0]["command"]
     assert command.count("--no-direct-io") == 1
-    assert command[command.index("--metrics-port"):] == ["--metrics-port", "9464", "--no-direct-io"]
+    assert command[-1] == "--no-direct-io"
+
+
+def test_the_pod_grace_period_leaves_the_sidecar_its_own_and_a_longer_one_is_kept() -> None:
+    spec = policy_spec(sidecar={"gracePeriodSeconds": 300})
+    pod = injected(spec=spec)
+    assert pod["spec"]["initContainers"][0]["command"][-2:] == ["--grace-period", "300"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 315
+    assert injected(job_pod(terminationGracePeriodSeconds=900), spec)["spec"]["terminationGracePeriodSeconds"] == 900
+    assert injected(spec=policy_spec(sidecar={"gracePeriodSeconds": 10}))["spec"].get(
+        "terminationGracePeriodSeconds") is None, "the default 30 s already covers a 10 s grace period"
+
+
+def test_a_trainer_mounting_a_reserved_volume_name_it_did_not_declare_is_refused() -> None:
+    pod = job_pod()
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "stowaway-storage", "mountPath": "/steal"}]
+    with pytest.raises(injection.InjectionError, match="'stowaway-storage', a name reserved for the Stowaway"):
+        injection.build_patch(pod, "default", policy_spec(), IMAGE)
 
 
 def test_sidecar_is_non_root_read_only_without_capabilities_and_knows_its_node() -> None:

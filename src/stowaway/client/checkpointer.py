@@ -294,7 +294,7 @@ class Checkpointer:
                 raise ProtocolError(self._violation)
             if not ok:
                 described = what() if callable(what) else what
-                raise error(f"rank {self.rank} of job {self.job}: no {described} within {self.timeout:.0f} s "
+                raise error(f"rank {self.rank} of job {self.job}: waited {self.timeout:.0f} s for {described} "
                             f"(socket {self.socket_path}; last connection problem: {self._connection.last_error})")
 
     def _connected_cb(self, welcome: Message) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from stowaway.format import fresh_memory
 from stowaway.format import safetensors_header as st
 from stowaway.format import tree as tree_mod
 
@@ -96,10 +97,13 @@ def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickl
         tree = json.loads(layout.metadata[TREE_METADATA_KEY])
     except (KeyError, json.JSONDecodeError) as exc:
         raise st.HeaderError(f"payload carries no Stowaway state tree: {exc}") from exc
+    to_host = torch.device(map_location).type == "cpu"
     tensors = {}
     for item in layout.tensors:
         view = _view(payload, layout.data_start + item.begin, item)
-        tensors[item.spec.name] = view.to(map_location, copy=True)
+        tensors[item.spec.name] = (
+            fresh_memory.empty_like(view).copy_(view) if to_host else view.to(map_location, copy=True)
+        )
     return tree_mod.unflatten(tree, tensors, allow_pickle)
 
 

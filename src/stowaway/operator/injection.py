@@ -25,6 +25,10 @@ LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 LABEL_VALUE_MAX = 63
 
 SIDECAR_NAME = "stowaway-sidecar"
+# Kubernetes' default terminationGracePeriodSeconds, and the time the trainer's own shutdown may take
+# out of the pod's grace period before the sidecar is asked to stop.
+DEFAULT_TERMINATION_SECONDS = 30
+TERMINATION_MARGIN_SECONDS = 15
 # The sidecar's metrics port; the chart's PodMonitor scrapes ports of this name.
 METRICS_PORT_NAME = "ckpt-metrics"
 SHM_VOLUME = "stowaway-shm"
@@ -175,6 +179,10 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
     }
     if init_containers:
         patch["spec"]["initContainers"] = init_containers
+    termination = spec["sidecar"]["gracePeriodSeconds"] + TERMINATION_MARGIN_SECONDS
+    if (pod_spec.get("terminationGracePeriodSeconds") or DEFAULT_TERMINATION_SECONDS) < termination:
+        # The kubelet stops the trainer first and the sidecar last, all within the pod's grace period.
+        patch["spec"]["terminationGracePeriodSeconds"] = termination
     if len(job) <= LABEL_VALUE_MAX and LABEL_VALUE.fullmatch(job):
         # A generateName too long or odd for a label value leaves Prometheus's job to the PodMonitor's default.
         patch["metadata"]["labels"] = {JOB_LABEL: job}
@@ -212,6 +220,12 @@ def _refuse_conflicts(pod_spec: Mapping[str, Any], claim: str) -> None:
     _refuse_claim_mounts(pod_spec, claim)
     for container in [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]:
         for mount in container.get("volumeMounts") or []:
+            if mount.get("name") in OUR_VOLUMES:
+                raise InjectionError(
+                    f"container {container.get('name')!r} mounts volume {mount['name']!r}, a name reserved for "
+                    "the Stowaway sidecar's volumes (after injection it would be the sidecar's storage or "
+                    "memory); remove that mount"
+                )
             if mount.get("mountPath", "").rstrip("/") in (SHM_PATH, SOCKET_DIR):
                 raise InjectionError(
                     f"container {container.get('name')!r} already mounts {mount['mountPath']} (volume "
@@ -285,6 +299,7 @@ def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image
         "--commit-timeout", str(spec["commitTimeoutSeconds"]),
         "--persist-workers", str(spec["persistence"]["concurrency"]),
         "--metrics-port", str(sidecar_spec["metricsPort"]),
+        "--grace-period", str(sidecar_spec["gracePeriodSeconds"]),
     ]
     if not spec["persistence"]["directIO"]:
         # The sidecar uses O_DIRECT wherever the filesystem allows it unless told otherwise.

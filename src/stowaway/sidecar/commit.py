@@ -40,6 +40,7 @@ class PendingStep:
     admitted: set[int] = field(default_factory=set)
     entries: dict[int, manifest.FileEntry] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
+    expiry: asyncio.TimerHandle | None = None
 
 
 class Committer:
@@ -73,6 +74,9 @@ class Committer:
                 )
             pending = PendingStep(job, run, step, world_size, local_world_size)
             self._pending[(job, step)] = pending
+            pending.expiry = asyncio.get_running_loop().call_later(
+                self._config.commit_timeout, self._expire_local_wait, pending
+            )
         pending.admitted.add(rank)
         pending.local_world_size = max(pending.local_world_size, local_world_size)
         return None
@@ -99,11 +103,30 @@ class Committer:
             return
         pending.task = asyncio.create_task(self._await_commit(pending), name=f"commit {job}/{step}")
 
+    def _expire_local_wait(self, pending: PendingStep) -> None:
+        """The commit timeout, while this node's ranks are still persisting (or one never saved the step).
+
+        Once every local file is durable, ``_await_commit`` watches the same
+        deadline and names the other nodes it waits for instead.
+        """
+        if self._pending.get((pending.job, pending.step)) is not pending or pending.task is not None:
+            return
+        persisted = sorted(pending.entries)
+        self.fail(
+            pending.job, pending.step, "commit_timeout",
+            f"commit of step {pending.step} timed out after {self._config.commit_timeout:.0f} s: "
+            f"{len(persisted)} of this node's {pending.local_world_size} ranks made their file durable "
+            f"(ranks {_ranges(persisted) if persisted else 'none'}); every local rank must save every "
+            "checkpointed step, and storage must keep up (see the persist metrics)",
+        )
+
     def fail(self, job: str, step: int, kind: str, reason: str) -> None:
         """Fail the whole step for every local rank that persisted it."""
         pending = self._pending.pop((job, step), None)
         if pending is None:
             return
+        if pending.expiry is not None:
+            pending.expiry.cancel()
         if pending.task is not None and pending.task is not asyncio.current_task():
             pending.task.cancel()
         self._remember_failure(job, step, pending.run, reason)
@@ -199,6 +222,8 @@ class Committer:
 
     def _finish(self, pending: PendingStep) -> None:
         self._pending.pop((pending.job, pending.step), None)
+        if pending.expiry is not None:
+            pending.expiry.cancel()
         seconds = time.monotonic() - pending.started
         self._stats.committed(pending.step, seconds, time.time())
         log.info("committed step %d of job %s in %.3f s", pending.step, pending.job, seconds)

@@ -116,6 +116,13 @@ def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Pat
             )
     except OSError as exc:
         discard(written)
+        if exc.errno == errno.EFAULT:
+            # The kernel could not read our own mapping: the slot file was truncated under it.
+            raise PersistError(
+                "slot_invalid",
+                f"slot {slot.path} shrank while it was being persisted; the copy was discarded (some process "
+                "truncated a slot the sidecar owned: this is a client bug, please report it)",
+            ) from exc
         raise classify(exc, tmp) from exc
     except BaseException:
         discard(written)
