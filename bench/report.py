@@ -47,7 +47,7 @@ ROWS = (
     ("stowaway.restore.memory", "Stowaway restore from shared memory"),
     ("stowaway.restore.storage", "Stowaway restore from storage"),
     ("reference.copy", "reference: copy_ into resident shared memory"),
-    ("reference.copy_out_fresh", "reference: copy out into new tensors (huge pages where available)"),
+    ("reference.copy_out_fresh", "reference: copy out into new tensors"),
     ("reference.write_buffered", "reference: write + fdatasync, buffered"),
     ("reference.write_direct", "reference: write + fdatasync, O_DIRECT"),
     ("reference.read_direct", "reference: read, O_DIRECT"),

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from stowaway.format import fresh_memory
 from stowaway.format import safetensors_header as st
 from stowaway.format import tree as tree_mod
 
@@ -61,7 +60,9 @@ class Encoder:
             specs = [st.TensorSpec(name, _TO_SAFETENSORS[dtype], tuple(shape)) for name, dtype, shape, _ in signature]
             self._signature, self._plan = signature, st.plan(specs)
             self._cuda_devices = frozenset(device for *_, device in signature if device.type == "cuda")
-        metadata = {"format": "pt", TREE_METADATA_KEY: json.dumps(flat.tree, separators=(",", ":"))}
+        # The tree is built by flatten() and has no cycles, so the encoder need not look for any.
+        tree_json = json.dumps(flat.tree, separators=(",", ":"), check_circular=False)
+        metadata = {"format": "pt", TREE_METADATA_KEY: tree_json}
         layout = self._plan.layout(metadata)
         return Encoded(layout, [flat.tensors[item.spec.name] for item in layout.tensors], self._cuda_devices)
 
@@ -97,13 +98,10 @@ def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickl
         tree = json.loads(layout.metadata[TREE_METADATA_KEY])
     except (KeyError, json.JSONDecodeError) as exc:
         raise st.HeaderError(f"payload carries no Stowaway state tree: {exc}") from exc
-    to_host = torch.device(map_location).type == "cpu"
     tensors = {}
     for item in layout.tensors:
         view = _view(payload, layout.data_start + item.begin, item)
-        tensors[item.spec.name] = (
-            fresh_memory.empty_like(view).copy_(view) if to_host else view.to(map_location, copy=True)
-        )
+        tensors[item.spec.name] = view.to(map_location, copy=True)
     return tree_mod.unflatten(tree, tensors, allow_pickle)
 
 
