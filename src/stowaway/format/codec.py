@@ -29,6 +29,7 @@ _FROM_SAFETENSORS = {name: dtype for dtype, name in _TO_SAFETENSORS.items()}
 @dataclass(frozen=True)
 class Encoded:
     layout: st.Layout
+    # The non-empty tensors, in layout order: what ``targets`` returns views for.
     sources: list[torch.Tensor]
     # CUDA devices holding some of the sources: their copies are asynchronous and must be fenced.
     cuda_devices: frozenset[torch.device] = frozenset()
@@ -64,7 +65,8 @@ class Encoder:
         tree_json = json.dumps(flat.tree, separators=(",", ":"), check_circular=False)
         metadata = {"format": "pt", TREE_METADATA_KEY: tree_json}
         layout = self._plan.layout(metadata)
-        return Encoded(layout, [flat.tensors[item.spec.name] for item in layout.tensors], self._cuda_devices)
+        sources = [flat.tensors[item.spec.name] for item in layout.tensors if item.begin != item.end]
+        return Encoded(layout, sources, self._cuda_devices)
 
 
 def targets(layout: st.Layout, payload: torch.Tensor) -> list[torch.Tensor]:
@@ -77,13 +79,11 @@ def write_into(encoded: Encoded, payload: torch.Tensor, views: list[torch.Tensor
     """Fill ``payload`` (a uint8 tensor over the slot) with the file image; ``views`` come from ``targets``."""
     header = encoded.layout.header
     payload[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    sources = [source for item, source in zip(encoded.layout.tensors, encoded.sources, strict=True)
-               if item.begin != item.end]
     with torch.no_grad():
         if not encoded.cuda_devices:
-            torch._foreach_copy_(views, sources)
+            torch._foreach_copy_(views, encoded.sources)
             return
-        for view, source in zip(views, sources, strict=True):
+        for view, source in zip(views, encoded.sources, strict=True):
             view.copy_(source, non_blocking=source.device.type == "cuda")
         # The fence: save() returns once the bytes are in the slot, so the caller may then change its tensors.
         for device in encoded.cuda_devices:

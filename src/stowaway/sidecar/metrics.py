@@ -1,4 +1,4 @@
-"""The sidecar's Prometheus series; the only module that imports ``prometheus_client``.
+"""The sidecar's Prometheus series; with the operator's metrics module, the only door to ``prometheus_client``.
 
 Every series lives in a registry of its own (never the library's global one), so
 two sidecars in one process, or a test, cannot see each other's numbers.

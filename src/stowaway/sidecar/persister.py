@@ -5,7 +5,10 @@ Two phases, so that the rank gets its slot back as early as possible:
 the sidecar then releases the slot and calls ``make_durable`` (fdatasync,
 rename, directory fsync), which no longer reads shared memory.
 
-Writes go straight from the slot's mapping to the device (``storage.direct_io``).
+After copying, the slot header is read again: if the generation moved, some
+writer broke the ownership rule, and the copy is thrown away rather than
+committed torn. Writes go straight from the slot's mapping to the device
+(``storage.direct_io``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from typing import Any
 from stowaway.sidecar.persister import PersistError
 from stowaway.sidecar.ranks import RankState
 from stowaway.slots import header
-from stowaway.slots.shm import SlotFile
 from stowaway.storage import catalog, checksum, direct_io, layout, manifest
 
 MAX_LISTED_STEPS = 64
@@ -63,8 +62,9 @@ def _slot_holding(state: RankState, step: int, entry: manifest.FileEntry) -> int
     return None
 
 
-def stage(job_path: Path, state: RankState, slot: SlotFile, step: int, direct: bool) -> tuple[int, int]:
-    """Fill ``slot`` with the rank's stored file of ``step``; return (generation, nbytes)."""
+def stage(job_path: Path, state: RankState, index: int, step: int, direct: bool) -> tuple[int, int]:
+    """Fill the rank's slot ``index`` with its stored file of ``step``; return (generation, nbytes)."""
+    slot = state.slots[index]
     step_path = layout.step_dir(job_path, step)
     try:
         entry = manifest.read_manifest(step_path).file_for(state.rank)
@@ -93,9 +93,5 @@ def stage(job_path: Path, state: RankState, slot: SlotFile, step: int, direct: b
             f"bytes with {entry.xxh3_64}; run `stowaway verify {job_path}` for details",
         )
     header.finish_write(slot.header_view, step, generation, entry.bytes)
-    state.memory_digests[_index_of(state, slot)] = (generation, step, digest)
+    state.memory_digests[index] = (generation, step, digest)
     return generation, entry.bytes
-
-
-def _index_of(state: RankState, slot: SlotFile) -> int:
-    return next(index for index, candidate in state.slots.items() if candidate is slot)

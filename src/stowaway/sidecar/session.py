@@ -126,8 +126,9 @@ class Session:
         state.busy.add(index)
         job_path = self._sidecar.committer.job_path(state.job)
         try:
-            generation, nbytes = await asyncio.to_thread(restore.stage, job_path, state, state.slots[index], step,
-                                                     self._sidecar.config.direct_io)
+            generation, nbytes = await asyncio.to_thread(
+                restore.stage, job_path, state, index, step, self._sidecar.config.direct_io
+            )
         except PersistError as exc:
             self._sidecar.stats.failed(exc.kind)
             state.busy.discard(index)
