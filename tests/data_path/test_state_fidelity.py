@@ -7,6 +7,7 @@ rescheduled onto a fresh node: new sidecar, empty shared memory).
 
 from __future__ import annotations
 
+import copy
 import random
 import shutil
 from collections import OrderedDict
@@ -130,6 +131,25 @@ def test_restore_from_storage_after_a_reschedule_returns_the_same_state(start_si
     assert_same(restored, original)
     assert_aliasing(restored)
     assert "restored step 5 from storage" in caplog.text
+
+
+def test_every_save_of_a_training_loop_restores_its_own_values(start_sidecar, original):
+    # Saves after the first reuse its tree (only scalars are rendered anew): each step must still come
+    # back with its own tensors, scalars and aliasing, from memory and from storage.
+    sidecar = start_sidecar()
+    saved = {}
+    with Checkpointer(job="loop", socket=sidecar.socket, rank=0, world_size=1, slots=1, timeout=30) as ckpt:
+        for step in range(1, 5):
+            original["python"].update(int=step, float=step / 3, s="é" * step, none=None if step % 2 else "x")
+            original["scheduler"]["last_epoch"] = step
+            original["model"]["0.weight"].add_(1)
+            ckpt.save(step, original).wait(30)
+            saved[step] = copy.deepcopy(original)
+            assert_same(ckpt.load(step)[1], saved[step])
+        for step in range(1, 5):
+            restored = ckpt.load(step)[1]
+            assert_same(restored, saved[step])
+            assert_aliasing(restored)
 
 
 def test_the_stored_file_is_a_valid_safetensors_file(start_sidecar, storage, original):

@@ -111,7 +111,7 @@ def run_inspect(args: argparse.Namespace) -> int:
             length = int.from_bytes(head, "little") if len(head) == 8 else 0
             if length > st.MAX_HEADER_BYTES:
                 raise CommandError(f"{path} has a corrupt header length {length}; run `stowaway verify`")
-            parsed = st.parse(head + handle.read(length), entry.bytes)
+            parsed, _ = st.parse(head + handle.read(length), entry.bytes)
         print(f"rank {entry.rank}: {entry.name} ({_size(entry.bytes)})")
         for item in parsed.tensors:
             shape = "x".join(str(dim) for dim in item.spec.shape) or "scalar"

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +107,8 @@ class Checkpointer:
         started = time.perf_counter()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        encoded = self._encoder.encode(state, self.allow_pickle)
+        with _collector_paused():
+            encoded = self._encoder.encode(state, self.allow_pickle)
         run = self._current_run_id()
         with self._cond:
             if step in self._handles:
@@ -152,13 +155,13 @@ class Checkpointer:
         for slot in pool.slots:
             if slot.file is not None and slot.owner is Owner.RANK:
                 self._register(slot)
-        self._run_id = agreement.shared_run_id(self._current_run_id(), self.world_size)
         inventory = self._request(("inventory", 0), {"type": "query"})
         sizes = {item["step"]: item["nbytes"] for item in inventory["committed"]}
         in_memory = {item["step"]: item["slot"] for item in inventory["memory"]}
         wanted = [found for found in sizes if step is None or found == step]
+        self._run_id, candidates = agreement.candidates(self._current_run_id(), wanted, self.world_size)
         problems = []
-        for candidate in agreement.common_steps(wanted, self.world_size):
+        for candidate in candidates:
             error, refused, state, source = None, None, None, "memory"
             try:
                 if candidate in in_memory:
@@ -373,6 +376,23 @@ class Checkpointer:
             raise ProtocolError(f"answer for slot {index} step {step}, which the sidecar does not hold "
                                 f"(owner {slot.owner.value}, in flight {slot.in_flight_step}): a duplicate answer")
         slot.owner, slot.in_flight_step, slot.in_flight_generation = Owner.RANK, None, None
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Keep Python's cyclic collector out of the encode, which ``save`` blocks on.
+
+    Encoding allocates a few objects per tensor, enough to start collections
+    that walk the training process's whole young heap; the objects are
+    garbage moments later and are freed by reference counting anyway.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _node_name() -> str:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from stowaway.format import safetensors_header as st
+from stowaway.format import template as template_mod
 from stowaway.format import tree as tree_mod
 
 TREE_METADATA_KEY = "stowaway.tree"
@@ -40,20 +41,38 @@ class Encoded:
 
 
 class Encoder:
-    """Plans layouts, reusing the previous plan while the state keeps its tensors' names, dtypes and shapes.
+    """Encodes states, reusing the previous save's work while the state keeps its structure.
 
     A training state keeps its structure from one save to the next; only
-    scalars such as step counters change. Planning a thousand tensors and
-    serializing their header entries costs milliseconds of Python, which
-    ``save`` would otherwise block on every time.
+    scalars such as step counters change. Flattening, planning and
+    serializing a thousand tensors cost milliseconds of Python, which
+    ``save`` would otherwise block on every time: the layout plan is kept
+    while names, dtypes and shapes stay the same, and the tree while the
+    whole structure does (``format.template``).
     """
 
     def __init__(self) -> None:
         self._signature: list[tuple[str, torch.dtype, torch.Size, torch.device]] = []
         self._plan: st.Plan | None = None
         self._cuda_devices: frozenset[torch.device] = frozenset()
+        self._template: template_mod.Template | None = None
+        # Walk-order positions of the non-empty tensors, in layout order.
+        self._source_positions: list[int] = []
 
     def encode(self, state: Any, allow_pickle: bool = False) -> Encoded:
+        walked = template_mod.walk(state)
+        if walked is not None and self._template is not None and self._template.fits(walked):
+            escaped_tree = self._template.render(walked.scalars)
+            tensors = walked.tensors
+            sources = [tensors[position] for position in self._source_positions]
+        else:
+            escaped_tree, sources = self._encode_afresh(state, walked, allow_pickle)
+        assert self._plan is not None
+        metadata_json = '{"format":"pt","' + TREE_METADATA_KEY + '":"' + escaped_tree + '"}'
+        return Encoded(self._plan.layout(metadata_json), sources, self._cuda_devices)
+
+    def _encode_afresh(self, state: Any, walked: template_mod.Walk | None,
+                       allow_pickle: bool) -> tuple[str, list[torch.Tensor]]:
         flat = tree_mod.flatten(state, allow_pickle)
         # Compared element by element in C: names, dtypes, torch.Size and devices are all built-in comparisons.
         signature = [(name, tensor.dtype, tensor.shape, tensor.device) for name, tensor in flat.tensors.items()]
@@ -62,23 +81,25 @@ class Encoder:
             self._signature, self._plan = signature, st.plan(specs)
             self._cuda_devices = frozenset(device for *_, device in signature if device.type == "cuda")
         # The tree is built by flatten() and has no cycles, so the encoder need not look for any.
-        tree_json = json.dumps(flat.tree, separators=(",", ":"), check_circular=False)
-        metadata = {"format": "pt", TREE_METADATA_KEY: tree_json}
-        layout = self._plan.layout(metadata)
-        sources = [flat.tensors[item.spec.name] for item in layout.tensors if item.begin != item.end]
-        return Encoded(layout, sources, self._cuda_devices)
+        escaped_tree = template_mod.escape(json.dumps(flat.tree, separators=(",", ":"), check_circular=False))
+        layout_names = [item.spec.name for item in self._plan.tensors if item.begin != item.end]
+        first_position: dict[str, int] = {}
+        for position, name in enumerate(flat.occurrences):
+            first_position.setdefault(name, position)
+        self._source_positions = [first_position[name] for name in layout_names]
+        self._template = template_mod.Template.build(walked, flat, escaped_tree)
+        return escaped_tree, [flat.tensors[name] for name in layout_names]
 
 
 def targets(layout: st.Layout, payload: torch.Tensor) -> list[torch.Tensor]:
     """Views of ``payload`` where each non-empty tensor of ``layout`` goes, in layout order."""
-    base = layout.data_start
-    return [_view(payload, base + item.begin, item) for item in layout.tensors if item.begin != item.end]
+    return _views(payload, layout, [item for item in layout.tensors if item.begin != item.end])
 
 
 def write_into(encoded: Encoded, payload: torch.Tensor, views: list[torch.Tensor]) -> None:
     """Fill ``payload`` (a uint8 tensor over the slot) with the file image; ``views`` come from ``targets``."""
     header = encoded.layout.header
-    payload[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    payload[: len(header)].numpy()[:] = memoryview(header)
     with torch.no_grad():
         if not encoded.cuda_devices:
             torch._foreach_copy_(views, encoded.sources)
@@ -93,18 +114,46 @@ def write_into(encoded: Encoded, payload: torch.Tensor, views: list[torch.Tensor
 def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickle: bool = False) -> Any:
     """Rebuild the state dict from a payload, copying every tensor out of the buffer."""
     raw = memoryview(payload.numpy())
-    layout = st.parse(raw, nbytes)
+    layout, metadata = st.parse(raw, nbytes)
     try:
-        tree = json.loads(layout.metadata[TREE_METADATA_KEY])
+        tree = json.loads(metadata[TREE_METADATA_KEY])
     except (KeyError, json.JSONDecodeError) as exc:
         raise st.HeaderError(f"payload carries no Stowaway state tree: {exc}") from exc
-    tensors = {}
-    for item in layout.tensors:
-        view = _view(payload, layout.data_start + item.begin, item)
-        tensors[item.spec.name] = view.to(map_location, copy=True)
+    views = _views(payload, layout, layout.tensors)
+    if torch.device(map_location) == torch.device("cpu"):
+        copies = [view.clone() for view in views]
+    else:
+        copies = [view.to(map_location, copy=True) for view in views]
+    tensors = {item.spec.name: copy for item, copy in zip(layout.tensors, copies, strict=True)}
     return tree_mod.unflatten(tree, tensors, allow_pickle)
 
 
-def _view(payload: torch.Tensor, offset: int, item: st.Placed) -> torch.Tensor:
-    dtype = _FROM_SAFETENSORS[item.spec.dtype]
-    return payload[offset : offset + item.spec.nbytes].view(dtype).view(item.spec.shape)
+def _views(payload: torch.Tensor, layout: st.Layout, items: list[st.Placed]) -> list[torch.Tensor]:
+    """Typed views of ``payload`` for ``items``, one ``as_strided`` each.
+
+    Slicing, then viewing as the dtype, then as the shape costs three tensor
+    constructions per tensor, which a state of thousands of tensors pays in
+    milliseconds on every save and restore. Every offset is a multiple of its
+    element size (``plan`` places larger elements first, ``parse`` checks).
+    """
+    typed: dict[str, torch.Tensor] = {}
+    views = []
+    for item in items:
+        spec = item.spec
+        whole = typed.get(spec.dtype)
+        if whole is None:
+            size = st.ELEMENT_BYTES[spec.dtype]
+            whole = typed[spec.dtype] = payload[: payload.numel() // size * size].view(_FROM_SAFETENSORS[spec.dtype])
+        offset, misaligned = divmod(layout.data_start + item.begin, whole.element_size())
+        if misaligned:
+            raise st.HeaderError(f"tensor {spec.name!r} starts at an offset that is not a multiple of its element size")
+        views.append(whole.as_strided(spec.shape, _contiguous_strides(spec.shape), offset))
+    return views
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))

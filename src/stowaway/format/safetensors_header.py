@@ -8,14 +8,18 @@ header mapping tensor names to dtype/shape/data_offsets plus a string-only
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
+from operator import itemgetter
+from typing import NamedTuple
 
 METADATA_KEY = "__metadata__"
 # The data starts on a page boundary: a header that grows by a few bytes (a step counter gaining a
 # digit) then rarely moves the data, so cached views of a slot stay valid from one save to the next.
 DATA_ALIGNMENT = 4096
 MAX_HEADER_BYTES = 100 * 2**20
+_METADATA_OPENING = b'{"' + METADATA_KEY.encode() + b'":'
 
 ELEMENT_BYTES = {
     "F64": 8, "I64": 8, "U64": 8,
@@ -29,8 +33,8 @@ class HeaderError(ValueError):
     """Bytes that do not form a safetensors header this release can read."""
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
+    # Tuples rather than dataclasses: a restore builds one per tensor, thousands of them.
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -43,8 +47,7 @@ class TensorSpec:
         return count * ELEMENT_BYTES[self.dtype]
 
 
-@dataclass(frozen=True)
-class Placed:
+class Placed(NamedTuple):
     spec: TensorSpec
     begin: int
     end: int
@@ -54,7 +57,6 @@ class Placed:
 class Layout:
     header: bytes
     tensors: list[Placed]
-    metadata: dict[str, str]
 
     @property
     def data_start(self) -> int:
@@ -70,16 +72,23 @@ class Plan:
     """Where every tensor goes, with its header entries serialized once; ``layout`` adds the metadata."""
 
     tensors: list[Placed]
-    entries_json: str
+    # The tensor entries as JSON members, with the comma that joins them to the metadata (b"" when none).
+    entries_json: bytes
 
-    def layout(self, metadata: dict[str, str]) -> Layout:
-        fields = [json.dumps(METADATA_KEY) + ":" + json.dumps(metadata, separators=(",", ":"))]
-        if self.entries_json:
-            fields.append(self.entries_json)
-        body = ("{" + ",".join(fields) + "}").encode()
-        padded = -(-(8 + len(body)) // DATA_ALIGNMENT) * DATA_ALIGNMENT - 8
-        body += b" " * (padded - len(body))
-        return Layout(struct.pack("<Q", len(body)) + body, self.tensors, metadata)
+    def layout(self, metadata_json: str) -> Layout:
+        """The layout with ``metadata_json``, the ``__metadata__`` object already serialized.
+
+        Serialized by the caller, who may keep most of it from the last save:
+        escaping a large string into JSON costs more than the rest of the header.
+        The header is joined once: each large intermediate copy would cost page faults.
+        """
+        metadata = metadata_json.encode()
+        unpadded = 8 + len(_METADATA_OPENING) + len(metadata) + len(self.entries_json) + 1
+        padding = -unpadded % DATA_ALIGNMENT
+        length = unpadded - 8 + padding
+        header = b"".join((struct.pack("<Q", length), _METADATA_OPENING, metadata, self.entries_json, b"}",
+                           b" " * padding))
+        return Layout(header, self.tensors)
 
 
 def plan(specs: list[TensorSpec]) -> Plan:
@@ -95,11 +104,12 @@ def plan(specs: list[TensorSpec]) -> Plan:
         }
         for item in placed
     }
-    return Plan(placed, json.dumps(entries, separators=(",", ":"))[1:-1])
+    members = json.dumps(entries, separators=(",", ":"))[1:-1]
+    return Plan(placed, f",{members}".encode() if members else b"")
 
 
-def parse(buffer: memoryview | bytes, available: int) -> Layout:
-    """Parse the header at the start of ``buffer``; ``available`` bounds every offset."""
+def parse(buffer: memoryview | bytes, available: int) -> tuple[Layout, dict[str, str]]:
+    """Parse the header at the start of ``buffer`` into its layout and metadata; ``available`` bounds every offset."""
     if available < 8:
         raise HeaderError(f"payload of {available} bytes is too short for a safetensors header")
     (length,) = struct.unpack_from("<Q", buffer)
@@ -112,25 +122,27 @@ def parse(buffer: memoryview | bytes, available: int) -> Layout:
     if not isinstance(entries, dict):
         raise HeaderError("header is not a JSON object")
     metadata = entries.pop(METADATA_KEY, {}) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
+        raise HeaderError(f"header's {METADATA_KEY} is not a map of strings")
     placed = [_placed(name, entry) for name, entry in entries.items()]
-    placed.sort(key=lambda item: item.begin)
+    placed.sort(key=itemgetter(1))
     data_bytes = available - 8 - length
     cursor = 0
     for item in placed:
         if item.begin != cursor or item.end > data_bytes:
             raise HeaderError(f"tensor {item.spec.name!r} has offsets outside the data or leaves a hole")
         cursor = item.end
-    return Layout(bytes(buffer[: 8 + length]), placed, metadata)
+    return Layout(bytes(buffer[: 8 + length]), placed), metadata
 
 
 def _placed(name: str, entry: object) -> Placed:
     try:
         dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]  # type: ignore[index]
+        # math.prod gives a float for a float dimension and fails on anything but numbers.
+        nbytes = math.prod(shape) * ELEMENT_BYTES[dtype]
+        if type(nbytes) is not int or (shape and min(shape) < 0) or type(begin) is not int or end - begin != nbytes:
+            raise HeaderError(f"tensor {name!r} has shape {list(shape)} and spans offsets {begin}..{end}, "
+                              "which do not fit each other")
     except (TypeError, KeyError, ValueError) as exc:
-        raise HeaderError(f"tensor {name!r} has a malformed entry: {exc}") from exc
-    if dtype not in ELEMENT_BYTES:
-        raise HeaderError(f"tensor {name!r} has dtype {dtype!r}, which this release does not read")
-    spec = TensorSpec(name, dtype, shape)
-    if end - begin != spec.nbytes:
-        raise HeaderError(f"tensor {name!r} spans {end - begin} bytes, its shape needs {spec.nbytes}")
-    return Placed(spec, begin, end)
+        raise HeaderError(f"tensor {name!r} has a malformed entry or an unknown dtype: {exc!r}") from exc
+    return Placed(TensorSpec(name, dtype, shape), begin, end)

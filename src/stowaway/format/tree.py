@@ -34,12 +34,17 @@ _STORABLE_DTYPES = {
 class Flat:
     tree: Any
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # For format.template: the name of every tensor occurrence and every scalar leaf's node, in walk order.
+    occurrences: list[str] = field(default_factory=list)
+    scalar_nodes: list[dict[str, Any]] = field(default_factory=list)
 
 
 class _Flattener:
     def __init__(self, allow_pickle: bool) -> None:
         self.allow_pickle = allow_pickle
         self.tensors: dict[str, torch.Tensor] = {}
+        self.occurrences: list[str] = []
+        self.scalar_nodes: list[dict[str, Any]] = []
         self._names_by_identity: dict[tuple[Any, ...], str] = {}
 
     def node(self, value: Any, path: Path) -> Any:
@@ -50,17 +55,15 @@ class _Flattener:
             return self._tensor(value, path)
         if kind is dict or kind is OrderedDict:
             return self._mapping(value, path)
-        if kind is int or kind is str or kind is bool or value is None:
-            return {"v": value}
+        if kind is int or kind is str or kind is bool or kind is float or value is None:
+            return self._scalar(value)
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path)
         if isinstance(value, np.ndarray):
-            stored = self._tensor(_numpy_as_tensor(value, path), path)["T"]
+            stored = self._tensor(numpy_as_tensor(value, path), path)["T"]
             return {"N": stored, "nd": value.dtype.str, "sh": list(value.shape)}
-        if isinstance(value, bool | int | str):
-            return {"v": value}
-        if isinstance(value, float):
-            return {"v": value} if math.isfinite(value) else {"f": repr(value)}
+        if isinstance(value, bool | int | str | float):
+            return _scalar_node(value)
         if isinstance(value, torch.Size):
             return {"S": list(value)}
         if isinstance(value, torch.dtype):
@@ -84,7 +87,7 @@ class _Flattener:
             if type(key) is str:
                 encoded_key: Any = {"v": key}
             elif key is None or isinstance(key, str | int | float | bool):
-                encoded_key = self.node(key, path)
+                encoded_key = _scalar_node(key)
             else:
                 raise UnsupportedState(f"state at {_show(path)} has a key of type {type(key).__name__}")
             items.append([encoded_key, self.node(item, (*path, key))])
@@ -112,9 +115,15 @@ class _Flattener:
             name = self._unique_name(path)
             self._names_by_identity[identity] = name
             self.tensors[name] = tensor
+        self.occurrences.append(name)
         encoded: dict[str, Any] = {"T": name}
         if type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter):
             encoded["P"] = int(tensor.requires_grad)
+        return encoded
+
+    def _scalar(self, value: Any) -> dict[str, Any]:
+        encoded = _scalar_node(value)
+        self.scalar_nodes.append(encoded)
         return encoded
 
     def _unique_name(self, path: Path) -> str:
@@ -129,7 +138,8 @@ class _Flattener:
 def flatten(state: Any, allow_pickle: bool = False) -> Flat:
     flattener = _Flattener(allow_pickle)
     tree = flattener.node(state, ())
-    return Flat({"version": TREE_VERSION, "root": tree}, flattener.tensors)
+    return Flat({"version": TREE_VERSION, "root": tree}, flattener.tensors, flattener.occurrences,
+                flattener.scalar_nodes)
 
 
 def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor], allow_pickle: bool = False) -> Any:
@@ -204,7 +214,14 @@ class _Unflattener:
         return pickle.loads(self.tensors[name].cpu().numpy().tobytes())
 
 
-def _numpy_as_tensor(array: np.ndarray, path: Path) -> torch.Tensor:
+def _scalar_node(value: Any) -> dict[str, Any]:
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"f": repr(value)}
+    return {"v": value}
+
+
+def numpy_as_tensor(array: np.ndarray, path: Path = ()) -> torch.Tensor:
+    """The array's bytes as a tensor of an integer dtype of the same width (its dtype goes into the tree)."""
     if array.dtype.hasobject:
         raise UnsupportedState(f"numpy array at {_show(path)} holds Python objects")
     contiguous = np.ascontiguousarray(array)
