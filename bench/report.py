@@ -28,6 +28,8 @@ PAGE_CACHE_BOUND = 0.05
 
 # Ratios with no target, for context: numerator over the sum of the denominators' medians.
 CONTEXT = (
+    # The floor of "save blocking / DCP async_save blocking": save cannot block for less than the copy.
+    ("copy reference / DCP async_save blocking", "reference.copy", (("dcp.async_save",),)),
     ("committed / (copy + fastest write)", "stowaway.committed.steady",
      (("reference.copy",), ("reference.write_buffered", "reference.write_direct"))),
     ("restore from storage / (read + copy-out)", "stowaway.restore.storage",

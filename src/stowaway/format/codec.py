@@ -137,6 +137,8 @@ def _views(payload: torch.Tensor, layout: st.Layout, items: list[st.Placed]) -> 
     element size (``plan`` places larger elements first, ``parse`` checks).
     """
     typed: dict[str, torch.Tensor] = {}
+    # Optimizer states repeat each parameter's shape several times.
+    strides: dict[tuple[int, ...], tuple[int, ...]] = {}
     views = []
     for item in items:
         spec = item.spec
@@ -147,7 +149,10 @@ def _views(payload: torch.Tensor, layout: st.Layout, items: list[st.Placed]) -> 
         offset, misaligned = divmod(layout.data_start + item.begin, whole.element_size())
         if misaligned:
             raise st.HeaderError(f"tensor {spec.name!r} starts at an offset that is not a multiple of its element size")
-        views.append(whole.as_strided(spec.shape, _contiguous_strides(spec.shape), offset))
+        stride = strides.get(spec.shape)
+        if stride is None:
+            stride = strides[spec.shape] = _contiguous_strides(spec.shape)
+        views.append(whole.as_strided(spec.shape, stride, offset))
     return views
 
 
