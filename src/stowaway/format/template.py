@@ -51,13 +51,14 @@ def walk(state: Any) -> Walk | None:
     """Collect ``state``'s structure, or None when it holds something only the full flattener encodes."""
     found = Walk([], [], [])
     try:
-        _walk(state, found.tokens.append, found.tensors.append, found.scalars.append)
+        _walk_items((state,), found.tokens.append, found.tensors.append, found.scalars.append)
     except _Unknown:
         return None
     return found
 
 
 def _walk(value: Any, token: Any, tensor: Any, scalar: Any) -> None:
+    """Everything but plain tensors and scalars, which ``_walk_items`` handles."""
     kind = type(value)
     if kind is dict or kind is OrderedDict:
         keys = tuple(value)
@@ -66,16 +67,10 @@ def _walk(value: Any, token: Any, tensor: Any, scalar: Any) -> None:
         token((kind, keys, tuple(map(type, keys)), metadata is not None))
         _walk_items(value.values(), token, tensor, scalar)
         if metadata is not None:
-            _walk(metadata, token, tensor, scalar)
+            _walk_items((metadata,), token, tensor, scalar)
     elif kind is list or kind is tuple:
         token((kind, len(value)))
         _walk_items(value, token, tensor, scalar)
-    elif kind is torch.Tensor:
-        token(_TENSOR)
-        tensor(value)
-    elif kind in _SCALAR_TYPES:
-        token(_SCALAR)
-        scalar(value)
     elif kind is torch.nn.Parameter:
         token((kind, value.requires_grad))
         tensor(value)
