@@ -134,7 +134,8 @@ def _views(payload: torch.Tensor, layout: st.Layout, items: list[st.Placed]) -> 
     Slicing, then viewing as the dtype, then as the shape costs three tensor
     constructions per tensor, which a state of thousands of tensors pays in
     milliseconds on every save and restore. Every offset is a multiple of its
-    element size (``plan`` places larger elements first, ``parse`` checks).
+    element size (``plan`` places larger elements first); a header read back
+    that breaks this is refused here.
     """
     typed: dict[str, torch.Tensor] = {}
     # Optimizer states repeat each parameter's shape several times.

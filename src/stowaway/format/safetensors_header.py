@@ -140,9 +140,10 @@ def _placed(name: str, entry: object) -> Placed:
         dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]  # type: ignore[index]
         # math.prod gives a float for a float dimension and fails on anything but numbers.
         nbytes = math.prod(shape) * ELEMENT_BYTES[dtype]
-        if type(nbytes) is not int or (shape and min(shape) < 0) or type(begin) is not int or end - begin != nbytes:
-            raise HeaderError(f"tensor {name!r} has shape {list(shape)} and spans offsets {begin}..{end}, "
-                              "which do not fit each other")
+        negative = bool(shape) and min(shape) < 0
     except (TypeError, KeyError, ValueError) as exc:
         raise HeaderError(f"tensor {name!r} has a malformed entry or an unknown dtype: {exc!r}") from exc
+    if type(nbytes) is not int or negative or type(begin) is not int or type(end) is not int or end - begin != nbytes:
+        raise HeaderError(f"tensor {name!r} has shape {list(shape)} and spans offsets {begin}..{end}, "
+                          "which do not fit each other")
     return Placed(TensorSpec(name, dtype, shape), begin, end)

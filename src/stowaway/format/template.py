@@ -146,7 +146,6 @@ class Template:
     def __init__(self, walked: Walk, flat: tree_mod.Flat) -> None:
         self.tokens = walked.tokens
         self.facts = TensorFacts.of(walked.tensors)
-        self.names = flat.occurrences
         for node in flat.scalar_nodes:
             node.clear()
             node["v"] = _HOLE_VALUE
@@ -154,13 +153,13 @@ class Template:
         self.parts = [escape(part) for part in tree_json.split(_HOLE)]
         self.usable = (
             len(self.parts) == len(walked.scalars) + 1 == len(flat.scalar_nodes) + 1
-            and len(self.names) == len(walked.tensors)
+            and len(flat.occurrences) == len(walked.tensors)
         )
 
     @classmethod
     def build(cls, walked: Walk | None, flat: tree_mod.Flat, escaped_tree: str) -> Template | None:
         """A template for the state just flattened (``escaped_tree`` is its tree), or None when it cannot
-        reproduce that tree byte for byte."""
+        reproduce that tree byte for byte. ``flat``'s tree is used up: its scalar nodes become the holes."""
         if walked is None:
             return None
         template = cls(walked, flat)
