@@ -11,8 +11,10 @@ import os
 import signal
 import sys
 import traceback
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from stowaway import Checkpointer
 
@@ -57,8 +59,15 @@ def main() -> None:
                     expected = pattern(ckpt.rank, step)
                     intact = bool((state["w"] == expected).all()) and state["step"] == step
                     reply({"step": step, "intact": intact, "numel": state["w"].numel()})
+            elif op == "join_group":
+                # Blocks until every rank of the group has joined: send it to all of them before reading.
+                dist.init_process_group("gloo", init_method=f"file://{command['store']}", rank=ckpt.rank,
+                                        world_size=ckpt.world_size, timeout=timedelta(seconds=60))
+                reply({"joined": True})
             elif op == "exit":
                 ckpt.close()
+                if dist.is_initialized():
+                    dist.destroy_process_group()
                 reply({"bye": True})
                 return
         except Exception as exc:

@@ -151,6 +151,46 @@ def test_a_bit_flip_in_storage_is_found_by_verify_and_load_falls_back_to_the_old
     assert "is corrupt" in fresh.log_path.read_text()
 
 
+def test_ranks_in_a_process_group_restore_the_same_step_when_one_ranks_newest_file_is_corrupt(
+    start_sidecar, start_rank, storage, short_tmp
+):
+    """Without agreeing, rank 0 would resume from step 2 and rank 1 from step 1: a silently forked job."""
+    sidecar = start_sidecar()
+    ranks = [start_rank(sidecar, job="group", rank=rank, world_size=2) for rank in range(2)]
+    join_group(ranks, short_tmp / "group-1")
+    for step in (1, 2):
+        for rank in ranks:
+            rank.save(step)
+        for rank in ranks:
+            assert rank.wait(step)["committed"]
+    assert collective(ranks, op="load") == [{"step": 2, "intact": True, "numel": 1024}] * 2, "from shared memory"
+    for rank in ranks:
+        rank.exit()
+    assert sidecar.stop() == 0
+    victim = step_dir(storage, "group", 2) / layout.rank_file_name(1, 2)
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x10
+    victim.write_bytes(bytes(data))
+
+    shutil.rmtree(sidecar.shm_dir)  # a rescheduled pod: nothing in shared memory
+    sidecar.start()
+    fresh = [start_rank(sidecar, job="group", rank=rank, world_size=2) for rank in range(2)]
+    join_group(fresh, short_tmp / "group-2")
+    assert collective(fresh, op="load") == [{"step": 1, "intact": True, "numel": 1024}] * 2
+    assert "step 2 cannot be restored on rank 1" in fresh[0].log_path.read_text()
+
+
+def join_group(ranks, store):
+    assert collective(ranks, op="join_group", store=str(store)) == [{"joined": True}] * len(ranks)
+
+
+def collective(ranks, **command):
+    """Send ``command`` to every rank before reading any answer: each blocks until all have called it."""
+    for rank in ranks:
+        rank.send(**command)
+    return [rank.read() for rank in ranks]
+
+
 def raw_connection(sidecar):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(30)
