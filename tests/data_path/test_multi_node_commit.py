@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from data_path.processes import wait_for
 from stowaway.storage import catalog, layout, manifest
 
@@ -62,3 +64,35 @@ def test_a_local_rank_that_never_saves_fails_the_step_at_the_commit_timeout(star
     assert not (layout.step_dir(storage / "half", 1) / layout.MANIFEST).exists()
     saver.save(2)
     assert not saver.wait(2, timeout=30)["committed"], "a later step must not commit without rank 1 either"
+
+
+@pytest.mark.parametrize("failing", ["a", "b"], ids=["coordinator fails", "other node fails"])
+def test_a_step_one_node_fails_fails_on_every_node_with_that_nodes_reason_long_before_their_timeout(
+    start_sidecar, start_rank, storage, failing
+):
+    # Only the failing node has a short commit timeout: the other learns from its notice, or waits 10 minutes.
+    nodes = {name: start_sidecar(name, extra=["--commit-timeout", "5" if name == failing else "600"])
+             for name in ("a", "b")}
+    ranks = [start_rank(nodes["a" if rank < 2 else "b"], job="split", rank=rank, world_size=4, local_world_size=2)
+             for rank in range(4)]
+    silent = 1 if failing == "a" else 3  # connected, but skips step 1
+    healthy = [rank for index, rank in enumerate(ranks) if index != silent]
+    for rank in healthy:
+        rank.save(1)
+    expected = f"step 1 failed on node {failing}: commit of step 1 timed out after 5 s: 1 of this node's 2 ranks"
+    for index, rank in enumerate(ranks):
+        if index == silent:
+            continue
+        answer = rank.wait(1, timeout=120)
+        assert not answer["committed"]
+        if (index < 2) != (failing == "a"):
+            assert expected in answer["error"], f"rank {index} on the healthy node"
+    step_path = layout.step_dir(storage / "split", 1)
+    assert not (step_path / layout.MANIFEST).exists()
+    notice = manifest.read_failures(step_path)
+    assert [(failure.node, failure.step) for failure in notice] == [(failing, 1)]
+
+    for rank in ranks:
+        rank.save(2)
+    for rank in ranks:
+        assert rank.wait(2, timeout=60)["committed"], "the failure of step 1 must not spill over to step 2"

@@ -141,13 +141,14 @@ def _views(payload: torch.Tensor, layout: st.Layout, items: list[st.Placed]) -> 
     # Optimizer states repeat each parameter's shape several times.
     strides: dict[tuple[int, ...], tuple[int, ...]] = {}
     views = []
+    data_start = layout.data_start
     for item in items:
         spec = item.spec
+        size = st.ELEMENT_BYTES[spec.dtype]
         whole = typed.get(spec.dtype)
         if whole is None:
-            size = st.ELEMENT_BYTES[spec.dtype]
             whole = typed[spec.dtype] = payload[: payload.numel() // size * size].view(_FROM_SAFETENSORS[spec.dtype])
-        offset, misaligned = divmod(layout.data_start + item.begin, whole.element_size())
+        offset, misaligned = divmod(data_start + item.begin, size)
         if misaligned:
             raise st.HeaderError(f"tensor {spec.name!r} starts at an offset that is not a multiple of its element size")
         stride = strides.get(spec.shape)

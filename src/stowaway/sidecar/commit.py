@@ -5,8 +5,10 @@ its node's receipt, and then:
 - if it hosts global rank 0 (the coordinator), waits until receipts of this
   run cover every rank, writes the manifest (the commit) and applies retention;
 - otherwise waits until the coordinator's manifest for this run appears.
-Both waits end at the commit timeout. Every rank that persisted the step gets
-exactly one ``committed`` or ``failed`` for it.
+Both waits end at the commit timeout, or as soon as another node's failure
+notice for this run appears: a node that fails a step of a multi-node job
+writes one, since the sidecars share nothing but the storage. Every rank that
+persisted the step gets exactly one ``committed`` or ``failed`` for it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from stowaway.storage import catalog, durable, layout, manifest
 
 log = logging.getLogger(__name__)
 _REMEMBERED_FAILURES = 256
+# The failure kind of a step another node gave up on: counted apart, so that summing the
+# other kinds across sidecars counts each failure once.
+_OTHER_NODE_FAILED = "other_node_failed"
 
 
 @dataclass
@@ -53,6 +58,7 @@ class Committer:
         # Commits of one job run in worker threads; the manifest, `latest` and retention
         # of one job are changed by one thread at a time.
         self._storage_lock = threading.Lock()
+        self._notices: set[asyncio.Task[None]] = set()
 
     def job_path(self, job: str) -> Path:
         return layout.job_dir(self._config.storage, job)
@@ -121,7 +127,7 @@ class Committer:
         )
 
     def fail(self, job: str, step: int, kind: str, reason: str) -> None:
-        """Fail the whole step for every local rank that persisted it."""
+        """Fail the whole step for every local rank that persisted it, and tell the other nodes."""
         pending = self._pending.pop((job, step), None)
         if pending is None:
             return
@@ -134,6 +140,20 @@ class Committer:
         log.warning("step %d of job %s failed: %s", step, job, reason)
         for rank in sorted(pending.admitted):
             self._send(job, rank, {"type": "failed", "step": step, "slot": None, "reason": reason})
+        # A failure learnt from another node's notice is not announced again.
+        if pending.world_size > pending.local_world_size and kind != _OTHER_NODE_FAILED:
+            notice = asyncio.create_task(self._announce(pending, reason), name=f"failure notice {job}/{step}")
+            self._notices.add(notice)
+            notice.add_done_callback(self._notices.discard)
+
+    async def _announce(self, pending: PendingStep, reason: str) -> None:
+        failure = manifest.Failure(self._config.node, pending.run, pending.step, reason)
+        step_path = layout.step_dir(self.job_path(pending.job), pending.step)
+        try:
+            await asyncio.to_thread(manifest.write_failure, step_path, failure)
+        except OSError as exc:
+            log.warning("cannot tell the other nodes that step %d of job %s failed (they will time out "
+                        "instead): %s", pending.step, pending.job, exc)
 
     def _remember_failure(self, job: str, step: int, run: str, reason: str) -> None:
         self._failed[(job, step, run)] = reason
@@ -145,11 +165,13 @@ class Committer:
         deadline = pending.started + self._config.commit_timeout
         coordinator = 0 in pending.entries
         while True:
-            check = self._commit_if_complete if coordinator else self._missing_manifest
             try:
-                missing = await asyncio.to_thread(check, pending, step_path)
+                elsewhere, missing = await asyncio.to_thread(self._poll, pending, step_path, coordinator)
             except (OSError, manifest.ManifestError) as exc:
                 self.fail(pending.job, pending.step, "storage_io", f"commit of step {pending.step} failed: {exc}")
+                return
+            if elsewhere is not None:
+                self.fail(pending.job, pending.step, _OTHER_NODE_FAILED, elsewhere)
                 return
             if missing is None:
                 self._finish(pending)
@@ -165,6 +187,26 @@ class Committer:
                 )
                 return
             await asyncio.sleep(self._config.commit_poll_interval)
+
+    def _poll(self, pending: PendingStep, step_path: Path, coordinator: bool) -> tuple[str | None, str | None]:
+        """Why another node failed the step (None if none did), and what the commit still waits for (None once
+        committed).
+
+        The coordinator reads the notices before it commits, so it never commits a step another node has
+        failed for its ranks; other nodes read them after the manifest, which stands even if a notice came
+        too late to stop it.
+        """
+        if not coordinator:
+            missing = self._missing_manifest(pending, step_path)
+            return (None if missing is None else self._failure_elsewhere(pending, step_path)), missing
+        elsewhere = self._failure_elsewhere(pending, step_path)
+        return elsewhere, (None if elsewhere is not None else self._commit_if_complete(pending, step_path))
+
+    def _failure_elsewhere(self, pending: PendingStep, step_path: Path) -> str | None:
+        for failure in manifest.read_failures(step_path):
+            if failure.run == pending.run and failure.node != self._config.node:
+                return f"step {pending.step} failed on node {failure.node}: {failure.reason}"
+        return None
 
     def _commit_if_complete(self, pending: PendingStep, step_path: Path) -> str | None:
         receipts = [r for r in manifest.read_receipts(step_path) if r.run == pending.run]
@@ -236,7 +278,8 @@ class Committer:
                 state.send(message)
 
     def pending_tasks(self) -> list[asyncio.Task[None]]:
-        return [p.task for p in self._pending.values() if p.task is not None]
+        """Commits in progress and failure notices being written: a graceful stop waits for both."""
+        return [p.task for p in self._pending.values() if p.task is not None] + list(self._notices)
 
     def pending_count(self) -> int:
         return len(self._pending)

@@ -37,8 +37,8 @@ BUCKETS = (
 # Every ``kind`` a PersistError, a commit failure or a session may report.
 FAILURE_REASONS = (
     "storage_full", "storage_read_only", "storage_io", "slot_invalid", "slot_overwritten", "commit_timeout",
-    "protocol", "peer_refused", "internal", "restore_missing", "restore_slot_small", "restore_io",
-    "restore_corrupt",
+    "other_node_failed", "protocol", "peer_refused", "internal", "restore_missing", "restore_slot_small",
+    "restore_io", "restore_corrupt",
 )
 
 

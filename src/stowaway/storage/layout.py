@@ -2,6 +2,7 @@
 
     <storage>/<job>/step-000000000042/rank-00003-of-00008.safetensors
     <storage>/<job>/step-000000000042/receipt-<node>.json
+    <storage>/<job>/step-000000000042/failed-<node>.json   (a node gave up on the step)
     <storage>/<job>/step-000000000042/manifest.json     (written last)
     <storage>/<job>/latest                              (convenience pointer)
 
@@ -38,6 +39,10 @@ def rank_file_name(rank: int, world_size: int) -> str:
 
 def receipt_name(node: str) -> str:
     return f"receipt-{node}.json"
+
+
+def failure_name(node: str) -> str:
+    return f"failed-{node}.json"
 
 
 def step_dirs(job_path: Path) -> dict[int, Path]:

@@ -1,7 +1,10 @@
-"""The manifest and per-node receipts: what a committed checkpoint contains.
+"""The manifest, per-node receipts and failure notices: what a checkpoint contains, or why it never will.
 
-Both are JSON written with ``durable.write_atomic``. The manifest is written
-last, after every rank's file is durable, and its presence is the commit.
+All are JSON written with ``durable.write_atomic``. The manifest is written
+last, after every rank's file is durable, and its presence is the commit. A
+failure notice tells the other nodes' sidecars, which only share the storage,
+that a step of a run cannot commit, so their ranks hear why at once instead of
+at the commit timeout.
 """
 
 from __future__ import annotations
@@ -37,6 +40,15 @@ class Receipt:
     step: int
     world_size: int
     files: list[FileEntry]
+    written_unix: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Failure:
+    node: str
+    run: str
+    step: int
+    reason: str
     written_unix: float = field(default_factory=time.time)
 
 
@@ -84,6 +96,24 @@ def read_receipts(step_path: Path) -> list[Receipt]:
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{path} is not a valid receipt: {exc}") from exc
     return receipts
+
+
+def write_failure(step_path: Path, failure: Failure) -> None:
+    """Announce ``failure``; the step directory may not exist yet when no file of it was written."""
+    durable.make_dirs(step_path)
+    durable.write_atomic(step_path / layout.failure_name(failure.node), _dump(asdict(failure)))
+
+
+def read_failures(step_path: Path) -> list[Failure]:
+    failures = []
+    for path in sorted(step_path.glob(layout.failure_name("*"))):
+        raw = _load(path)
+        try:
+            failures.append(Failure(node=str(raw["node"]), run=str(raw["run"]), step=int(raw["step"]),
+                                    reason=str(raw["reason"]), written_unix=float(raw["written_unix"])))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"{path} is not a valid failure notice: {exc}") from exc
+    return failures
 
 
 def write_manifest(step_path: Path, manifest: Manifest) -> None:
