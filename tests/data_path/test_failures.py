@@ -133,9 +133,7 @@ def test_a_bit_flip_in_storage_is_found_by_verify_and_load_falls_back_to_the_old
     rank.exit()
     assert sidecar.stop() == 0
     victim = step_dir(storage, "flip", 2) / layout.rank_file_name(0, 1)
-    data = bytearray(victim.read_bytes())
-    data[-3] ^= 0x10
-    victim.write_bytes(bytes(data))
+    flip_a_bit(victim)
 
     verify = subprocess.run([sys.executable, "-m", "stowaway", "verify", str(storage / "flip")],
                             capture_output=True, text=True)
@@ -168,9 +166,7 @@ def test_ranks_in_a_process_group_restore_the_same_step_when_one_ranks_newest_fi
         rank.exit()
     assert sidecar.stop() == 0
     victim = step_dir(storage, "group", 2) / layout.rank_file_name(1, 2)
-    data = bytearray(victim.read_bytes())
-    data[-3] ^= 0x10
-    victim.write_bytes(bytes(data))
+    flip_a_bit(victim)
 
     shutil.rmtree(sidecar.shm_dir)  # a rescheduled pod: nothing in shared memory
     sidecar.start()
@@ -178,6 +174,13 @@ def test_ranks_in_a_process_group_restore_the_same_step_when_one_ranks_newest_fi
     join_group(fresh, short_tmp / "group-2")
     assert collective(fresh, op="load") == [{"step": 1, "intact": True, "numel": 1024}] * 2
     assert "step 2 cannot be restored on rank 1" in fresh[0].log_path.read_text()
+
+
+def flip_a_bit(path):
+    """One bit of the tensor data, which only the checksum can notice."""
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10
+    path.write_bytes(bytes(data))
 
 
 def join_group(ranks, store):
