@@ -7,6 +7,6 @@ demo:
 test:
 	hack/test
 
-# Not one of the two set-up commands: a full benchmark run (about 15 minutes, ~20 GiB of memory).
+# Not one of the two set-up commands: a full benchmark run (35-80 minutes here, ~20 GiB of memory).
 bench:
 	hack/bench --reps 5 --out docs/benchmarks

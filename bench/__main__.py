@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from bench import report, system
 from stowaway.cli import run_cmd
 
@@ -31,7 +33,7 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def run_config(total: int, ranks: int, reps: int, storage: Path) -> dict[str, object]:
+def run_config(total: int, ranks: int, reps: int, storage: Path, device: str) -> dict[str, object]:
     workdir = Path(tempfile.mkdtemp(prefix="stwb-", dir="/tmp"))
     shm_dir = Path(tempfile.mkdtemp(prefix="stowaway-bench-", dir="/dev/shm"))
     scratch = storage / "scratch"
@@ -47,12 +49,13 @@ def run_config(total: int, ranks: int, reps: int, storage: Path) -> dict[str, ob
     try:
         run_cmd.wait_for_socket(sidecar, socket_path)
         private = system.Peak(lambda: system.status_bytes(sidecar.pid, "RssAnon"))
+        python_path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
         env = dict(os.environ, STOWAWAY_SOCKET=str(socket_path), STOWAWAY_JOB=f"bench-{total}-{ranks}",
-                   PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)))
+                   PYTHONPATH=python_path, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)))
         subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
              "-m", "bench.worker", "--total-bytes", str(total), "--reps", str(reps), "--scratch", str(scratch),
-             "--out", str(out)],
+             "--out", str(out), "--device", device],
             env=env, check=True, cwd=ROOT,
         )
         result = json.loads(out.read_text())
@@ -68,10 +71,19 @@ def run_config(total: int, ranks: int, reps: int, storage: Path) -> dict[str, ob
         shutil.rmtree(storage, ignore_errors=True)
 
 
-def machine() -> str:
+def machine(device: str) -> str:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return (f"{os.cpu_count()} cores, {memory / 2**30:.0f} GiB RAM, Linux {platform.release()}, "
+    text = (f"{os.cpu_count()} cores, {memory / 2**30:.0f} GiB RAM, Linux {platform.release()}, "
             f"Python {platform.python_version()}")
+    if device == "cuda":
+        text += f", {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return text
+
+
+def require_cuda(parser: argparse.ArgumentParser) -> None:
+    if not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device, and torch sees none here (torch.cuda.is_available() "
+                     "is False); run it on a GPU machine, or leave --device out to measure on the CPU")
 
 
 def main() -> None:
@@ -83,7 +95,12 @@ def main() -> None:
                         help="durable storage to write to (emptied afterwards)")
     parser.add_argument("--out", type=Path, default=None,
                         help="directory for results.json and results.md (default: print the markdown only)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the training state lives; cuda measures the GPU-to-slot path against "
+                             "plain and pinned device-to-host copies")
     args = parser.parse_args()
+    if args.device == "cuda":
+        require_cuda(parser)
     if args.storage.exists() and any(args.storage.iterdir()):
         parser.error(f"--storage {args.storage} is not empty; the benchmark deletes what it writes there, "
                      "so give it an empty or missing directory")
@@ -91,9 +108,9 @@ def main() -> None:
     for total in (parse_size(size) for size in args.sizes.split(",")):
         for ranks in (int(count) for count in args.ranks.split(",")):
             print(f"bench: {report.size_label(total)} across {ranks} rank(s)", file=sys.stderr, flush=True)
-            results.append(run_config(total, ranks, args.reps, args.storage))
+            results.append(run_config(total, ranks, args.reps, args.storage, args.device))
     command = shlex.join(["python", "-m", "bench", *sys.argv[1:]])
-    text = report.markdown(results, command, machine())
+    text = report.markdown(results, command, machine(args.device))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from stowaway.client import pinned
+
 PAGE = mmap.PAGESIZE
 WRITE_CHUNK = 64 * 2**20
 
@@ -31,6 +33,14 @@ class ResidentBuffer:
         os.posix_fallocate(self._fd, 0, self.nbytes)
         self._map = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._pinned = False
+
+    def pin(self) -> None:
+        """Register the mapping as pinned host memory, as Stowaway does with a slot that receives GPU tensors."""
+        if not pinned.register(self.tensor.data_ptr(), self.nbytes):
+            raise RuntimeError("CUDA refused to pin the reference buffer; the pinned copy cannot be measured "
+                               "(raise RLIMIT_MEMLOCK)")
+        self._pinned = True
 
     def views(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
         """Views of the buffer laid out back to back, one per source tensor, of its dtype and shape."""
@@ -43,6 +53,8 @@ class ResidentBuffer:
         return views
 
     def close(self) -> None:
+        if self._pinned:
+            pinned.unregister(self.tensor.data_ptr())
         del self.tensor
         self._map.close()
         os.close(self._fd)
@@ -50,13 +62,25 @@ class ResidentBuffer:
 
 
 def copy_into(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Plain ``copy_``: from a GPU, the device-to-host copy an in-process saver makes into pageable memory."""
     for target, source in zip(targets, sources, strict=True):
         target.copy_(source)
 
 
-def copy_out_fresh(sources: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What any restore must do at least: new private tensors filled from shared memory."""
-    return [source.clone() for source in sources]
+def copy_into_pinned(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Non-blocking copies into pinned ``targets``, then a wait for them: the floor of a GPU save."""
+    for target, source in zip(targets, sources, strict=True):
+        target.copy_(source, non_blocking=True)
+    torch.cuda.synchronize()
+
+
+def copy_out_fresh(sources: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """What any restore must do at least: new private tensors on ``device`` filled from shared memory."""
+    if device.type == "cpu":
+        return [source.clone() for source in sources]
+    copies = [source.to(device) for source in sources]
+    torch.cuda.synchronize()
+    return copies
 
 
 def write_file(buffer: ResidentBuffer, path: Path, direct: bool) -> None:

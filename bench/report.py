@@ -27,7 +27,10 @@ TARGETS = (
 PAGE_CACHE_BOUND = 0.05
 
 # Ratios with no target, for context: numerator over the sum of the denominators' medians.
+# A ratio whose measurements a run lacks (the pinned copy is measured on a GPU only) is left out.
 CONTEXT = (
+    # On a GPU: how close save comes to the link's speed.
+    ("save blocking / pinned copy reference", "stowaway.save.steady", (("reference.copy_pinned",),)),
     # The floor of "save blocking / DCP async_save blocking": save cannot block for less than the copy.
     ("copy reference / DCP async_save blocking", "reference.copy", (("dcp.async_save",),)),
     ("committed / (copy + fastest write)", "stowaway.committed.steady",
@@ -49,6 +52,7 @@ ROWS = (
     ("stowaway.restore.memory", "Stowaway restore from shared memory"),
     ("stowaway.restore.storage", "Stowaway restore from storage"),
     ("reference.copy", "reference: copy_ into resident shared memory"),
+    ("reference.copy_pinned", "reference: non-blocking copy_ into pinned shared memory (GPU)"),
     ("reference.copy_out_fresh", "reference: copy out into new tensors"),
     ("reference.write_buffered", "reference: write + fdatasync, buffered"),
     ("reference.write_direct", "reference: write + fdatasync, O_DIRECT"),
@@ -96,14 +100,20 @@ def ratio_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _measured(results: list[dict[str, Any]], *names: str) -> bool:
+    return all(name in result["seconds"] for result in results for name in names)
+
+
 def context_table(results: list[dict[str, Any]]) -> str:
     """Each term of a denominator is the fastest of its alternatives; the terms are added."""
-    lines = ["| checkpoint | ranks | " + " | ".join(label for label, _, _ in CONTEXT) + " |",
-             "|---|---:|" + "---:|" * len(CONTEXT)]
+    ratios = [(label, numerator, terms) for label, numerator, terms in CONTEXT
+              if _measured(results, numerator, *(name for term in terms for name in term))]
+    lines = ["| checkpoint | ranks | " + " | ".join(label for label, _, _ in ratios) + " |",
+             "|---|---:|" + "---:|" * len(ratios)]
     for result in results:
         seconds = result["seconds"]
         cells = []
-        for _, numerator, terms in CONTEXT:
+        for _, numerator, terms in ratios:
             denominator = sum(min(median(seconds[name]) for name in term) for term in terms)
             cells.append(f"{median(seconds[numerator]) / denominator:.2f}")
         lines.append(f"| {size_label(result['total'])} | {result['ranks']} | " + " | ".join(cells) + " |")
@@ -115,6 +125,8 @@ def times_table(results: list[dict[str, Any]]) -> str:
     header = "| milliseconds: median (min-max) | " + " | ".join(f"{r['ranks']} ranks" for r in results) + " |"
     lines = [header, "|---|" + "---:|" * len(results)]
     for key, label in ROWS:
+        if not _measured(results, key):
+            continue
         lines.append(f"| {label} | " + " | ".join(_spread(r["seconds"][key]) for r in results) + " |")
     lines.append("| peak RSS of a rank (state, slot and restores), MiB | " + " | ".join(
         f"{r['rank_peak_rss_bytes'] / 2**20:,.0f}" for r in results) + " |")

@@ -30,13 +30,18 @@ def parameter_sizes(nbytes: int) -> list[int]:
     return large + small
 
 
-def build(nbytes: int, seed: int) -> dict[str, Any]:
-    """An optimizer-like state dict of about ``nbytes`` bytes, filled with random values."""
-    generator = torch.Generator().manual_seed(seed)
+def build(nbytes: int, seed: int, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """An optimizer-like state dict of about ``nbytes`` bytes, filled with random values.
+
+    On a GPU the parameters and moments live on ``device`` while each ``step``
+    and the RNG state stay on the host, as with PyTorch's Adam: a real state
+    mixes both, so the copy path sees both.
+    """
+    generator = torch.Generator(device).manual_seed(seed)
     model: dict[str, torch.Tensor] = {}
     master: dict[int, dict[str, torch.Tensor]] = {}
     for index, count in enumerate(parameter_sizes(nbytes)):
-        weight = torch.empty(count, dtype=torch.float32).uniform_(-1, 1, generator=generator)
+        weight = torch.empty(count, dtype=torch.float32, device=device).uniform_(-1, 1, generator=generator)
         model[f"layers.{index}.weight"] = weight.to(torch.bfloat16)
         master[index] = {
             "step": torch.tensor(1000.0),

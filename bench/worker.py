@@ -3,7 +3,9 @@
 Every measurement starts after a barrier and is reported as the slowest
 rank's time, because a job waits for its slowest rank. Stowaway, the physical
 references and the peers run in the same processes on the same tensors and
-storage, one after another.
+storage, one after another. With ``--device cuda`` the state lives on the GPU
+and every restore goes back onto it; each timed action ends with a device
+synchronize, so no copy still in flight escapes the clock.
 """
 
 from __future__ import annotations
@@ -28,11 +30,16 @@ Results = dict[str, list[float]]
 
 
 class Run:
-    def __init__(self, reps: int, scratch: Path) -> None:
+    def __init__(self, reps: int, scratch: Path, device: torch.device) -> None:
         self.reps = reps
         self.scratch = scratch
+        self.device = device
         self.rank = dist.get_rank()
         self.results: Results = {}
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def slowest(self, seconds: float) -> float:
         value = torch.tensor([seconds], dtype=torch.float64)
@@ -48,6 +55,7 @@ class Run:
         dist.barrier()
         started = time.perf_counter()
         result = action()
+        self.sync()
         self.record(name, time.perf_counter() - started)
         return result
 
@@ -60,17 +68,20 @@ def measure_stowaway(run: Run, training: dict[str, Any], extra: dict[str, Any]) 
             dist.barrier()
             started = time.perf_counter()
             handle = ckpt.save(step, training)
+            run.sync()
             run.record(f"stowaway.save.{kind}", time.perf_counter() - started)
             handle.wait()
             run.record(f"stowaway.committed.{kind}", time.perf_counter() - started)
             if growth is not None:
                 extra["page_cache_growth_bytes"] = growth.stop()
         for _ in range(run.reps):
-            restored = run.timed("stowaway.restore.memory", ckpt.load, fresh_heap=True)
+            restored = run.timed("stowaway.restore.memory", lambda: ckpt.load(map_location=run.device),
+                                 fresh_heap=True)
             assert restored is not None and restored[0] == run.reps, f"restored {restored and restored[0]}"
             del restored
         for step in range(run.reps):
-            restored = run.timed("stowaway.restore.storage", lambda step=step: ckpt.load(step=step), fresh_heap=True)
+            restored = run.timed("stowaway.restore.storage",
+                                 lambda step=step: ckpt.load(step=step, map_location=run.device), fresh_heap=True)
             assert restored is not None and restored[0] == step
             del restored
     extra["rank_peak_rss_bytes"] = run.slowest(system.status_bytes("self", "VmHWM"))
@@ -86,7 +97,12 @@ def measure_references(run: Run, training: dict[str, Any]) -> None:
         for _ in range(run.reps):
             run.timed("reference.copy", lambda: references.copy_into(views, sources))
         for _ in range(run.reps):
-            run.timed("reference.copy_out_fresh", lambda: references.copy_out_fresh(views), fresh_heap=True)
+            run.timed("reference.copy_out_fresh", lambda: references.copy_out_fresh(views, run.device),
+                      fresh_heap=True)
+        if run.device.type == "cuda":
+            buffer.pin()
+            for _ in range(run.reps):
+                run.timed("reference.copy_pinned", lambda: references.copy_into_pinned(views, sources))
         for direct in (False, True):
             for _ in range(run.reps):
                 name = "reference.write_direct" if direct else "reference.write_buffered"
@@ -159,10 +175,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, required=True)
     parser.add_argument("--scratch", type=Path, required=True, help="directory for the references and peers")
     parser.add_argument("--out", type=Path, required=True, help="JSON file rank 0 writes")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the training state lives")
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    run = Run(args.reps, args.scratch)
-    training = state.build(args.total_bytes // dist.get_world_size(), seed=run.rank)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        # Local ranks share the machine's GPUs round robin; one GPU takes them all.
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    run = Run(args.reps, args.scratch, device)
+    training = state.build(args.total_bytes // dist.get_world_size(), seed=run.rank, device=device)
     extra: dict[str, Any] = {"bytes": run.slowest(state.nbytes_of(training)) * dist.get_world_size()}
     measure_stowaway(run, training, extra)
     measure_references(run, training)

@@ -12,31 +12,60 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import report
 
 ROOT = Path(__file__).resolve().parents[2]
+GPU_ONLY = {"reference.copy_pinned"}
+
+
+def run_bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench", "--sizes", "8M", "--reps", "2", "--storage", str(tmp_path / "storage"),
+         "--out", str(tmp_path / "out"), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=540,
+    )
+
+
+def assert_everything_measured(tmp_path: Path, ranks: list[int], expected_keys: set[str]) -> None:
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["ranks"] for r in results] == ranks
+    for result in results:
+        assert result["bytes"] >= 8 * 2**20 * 0.99
+        assert set(result["seconds"]) == expected_keys
+        for key in expected_keys:
+            values = result["seconds"][key]
+            expected = 1 if key.endswith(".first") else 2
+            assert len(values) == expected and all(v > 0 for v in values), f"{key}: {values}"
+        assert result["sidecar_peak_private_bytes"] > 0 and result["rank_peak_rss_bytes"] > 0
+    markdown = (tmp_path / "out" / "results.md").read_text()
+    assert "save blocking / copy reference" in markdown and f"| 8 MiB | {ranks[-1]} |" in markdown
+    storage = tmp_path / "storage"
+    assert not storage.exists() or not any(storage.iterdir()), "the benchmark left files in its storage"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_small_run_measures_everything_for_each_rank_count(tmp_path):
-    storage, out = tmp_path / "storage", tmp_path / "out"
-    finished = subprocess.run(
-        [sys.executable, "-m", "bench", "--sizes", "8M", "--ranks", "1,2", "--reps", "2",
-         "--storage", str(storage), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=540,
-    )
+    finished = run_bench(tmp_path, "--ranks", "1,2")
     assert finished.returncode == 0, finished.stderr[-4000:]
-    results = json.loads((out / "results.json").read_text())
-    assert [r["ranks"] for r in results] == [1, 2]
-    for result in results:
-        assert result["bytes"] >= 8 * 2**20 * 0.99
-        for key, label in report.ROWS:
-            values = result["seconds"][key]
-            expected = 1 if key.endswith(".first") else 2
-            assert len(values) == expected and all(v > 0 for v in values), f"{label}: {values}"
-        assert result["sidecar_peak_private_bytes"] > 0 and result["rank_peak_rss_bytes"] > 0
-    markdown = (out / "results.md").read_text()
-    assert "save blocking / copy reference" in markdown and "| 8 MiB | 2 |" in markdown
-    assert not storage.exists() or not any(storage.iterdir()), "the benchmark left files in its storage"
+    assert_everything_measured(tmp_path, [1, 2], {key for key, _ in report.ROWS} - GPU_ONLY)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the GPU run itself is tested instead")
+def test_a_gpu_run_without_cuda_is_refused_before_anything_starts(tmp_path):
+    finished = run_bench(tmp_path, "--ranks", "1", "--device", "cuda")
+    assert finished.returncode == 2
+    assert "--device cuda needs a CUDA device" in finished.stderr and "leave --device out" in finished.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "storage").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device here: the GPU run of the harness is checked on a machine with one")
+@pytest.mark.timeout(600)
+def test_a_small_gpu_run_measures_the_pinned_copy_too(tmp_path):
+    finished = run_bench(tmp_path, "--ranks", "1,2", "--device", "cuda")
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    assert_everything_measured(tmp_path, [1, 2], {key for key, _ in report.ROWS})
+    assert "save blocking / pinned copy reference" in (tmp_path / "out" / "results.md").read_text()
