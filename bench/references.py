@@ -7,8 +7,10 @@ says how much Stowaway adds.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -33,14 +35,18 @@ class ResidentBuffer:
         os.posix_fallocate(self._fd, 0, self.nbytes)
         self._map = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._pinned = False
 
-    def pin(self) -> None:
-        """Register the mapping as pinned host memory, as Stowaway does with a slot that receives GPU tensors."""
-        if not pinned.register(self.tensor.data_ptr(), self.nbytes):
-            raise RuntimeError("CUDA refused to pin the reference buffer; the pinned copy cannot be measured "
-                               "(raise RLIMIT_MEMLOCK)")
-        self._pinned = True
+    @contextlib.contextmanager
+    def registered_with_cuda(self) -> Iterator[None]:
+        """The mapping registered as pinned host memory, as Stowaway registers a slot that receives GPU tensors."""
+        address = self.tensor.data_ptr()
+        if not pinned.register(address, self.nbytes):
+            raise RuntimeError("CUDA refused to pin the reference buffer, so the pinned copy cannot be measured; "
+                               "raise RLIMIT_MEMLOCK (ulimit -l)")
+        try:
+            yield
+        finally:
+            pinned.unregister(address)
 
     def views(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
         """Views of the buffer laid out back to back, one per source tensor, of its dtype and shape."""
@@ -53,8 +59,6 @@ class ResidentBuffer:
         return views
 
     def close(self) -> None:
-        if self._pinned:
-            pinned.unregister(self.tensor.data_ptr())
         del self.tensor
         self._map.close()
         os.close(self._fd)
