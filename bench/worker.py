@@ -49,14 +49,22 @@ class Run:
     def record(self, name: str, seconds: float) -> None:
         self.results.setdefault(name, []).append(self.slowest(seconds))
 
-    def timed(self, name: str, action: Callable[[], Any], fresh_heap: bool = False) -> Any:
+    def timed(self, name: str, action: Callable[[], Any], fresh_heap: bool = False, cpu: bool = False) -> Any:
+        """Time ``action`` on every rank; with ``cpu``, also record the slowest rank's CPU time as ``name.cpu``.
+
+        CPU time tells a restore bound by per-tensor work from one bound by
+        memory: with more ranks than cores, ranks x CPU / cores is the least
+        wall time the restore can take.
+        """
         if fresh_heap:
             system.release_free_heap()
         dist.barrier()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         result = action()
         self.sync()
         self.record(name, time.perf_counter() - started)
+        if cpu:
+            self.record(f"{name}.cpu", time.process_time() - cpu_started)
         return result
 
 
@@ -87,11 +95,11 @@ def measure_stowaway_and_references(run: Run, training: dict[str, Any], extra: d
             _measure_saves(run, ckpt, training, extra, after_each_steady=copy_and_write)
             for _ in range(run.reps):
                 restored = run.timed("stowaway.restore.memory", lambda: ckpt.load(map_location=run.device),
-                                     fresh_heap=True)
+                                     fresh_heap=True, cpu=True)
                 assert restored is not None and restored[0] == run.reps, f"restored {restored and restored[0]}"
                 del restored
                 run.timed("reference.copy_out_fresh", lambda: references.copy_out_fresh(views, run.device),
-                          fresh_heap=True)
+                          fresh_heap=True, cpu=True)
             for step in range(run.reps):
                 restored = run.timed("stowaway.restore.storage",
                                      lambda step=step: ckpt.load(step=step, map_location=run.device),
