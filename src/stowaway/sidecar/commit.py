@@ -46,6 +46,13 @@ class PendingStep:
     entries: dict[int, manifest.FileEntry] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
     expiry: asyncio.TimerHandle | None = None
+    # Set once the step is committed or failed.
+    resolved: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def committing(self) -> bool:
+        """Every rank of a single-node job has handed the step over: it commits or fails without any rank's help."""
+        return self.world_size == self.local_world_size and len(self.admitted) >= self.local_world_size
 
 
 class Committer:
@@ -90,6 +97,19 @@ class Committer:
     def busy_steps(self, job: str) -> set[int]:
         return {step for (name, step) in self._pending if name == job}
 
+    async def settled(self, job: str) -> None:
+        """Return once no step of ``job`` is between every rank's hand-over and its commit or failure.
+
+        Ranks that call ``load()`` without a process group ask one after
+        another; a commit landing between two questions would send them to
+        different steps. Waiting for such a commit first gives them all the
+        same answer. The wait ends at the commit timeout at the latest, and
+        only single-node jobs wait: on several nodes the commit also waits for
+        other sidecars, which may be gone for good.
+        """
+        while committing := [p for (name, _), p in self._pending.items() if name == job and p.committing]:
+            await committing[0].resolved.wait()
+
     async def durable(self, job: str, step: int, entry: manifest.FileEntry) -> None:
         pending = self._pending.get((job, step))
         if pending is None:
@@ -131,6 +151,7 @@ class Committer:
         pending = self._pending.pop((job, step), None)
         if pending is None:
             return
+        pending.resolved.set()
         if pending.expiry is not None:
             pending.expiry.cancel()
         if pending.task is not None and pending.task is not asyncio.current_task():
@@ -264,6 +285,7 @@ class Committer:
 
     def _finish(self, pending: PendingStep) -> None:
         self._pending.pop((pending.job, pending.step), None)
+        pending.resolved.set()
         if pending.expiry is not None:
             pending.expiry.cancel()
         seconds = time.monotonic() - pending.started

@@ -81,8 +81,9 @@ class Session:
             self._owned_slot(state, message["slot"], "persist")
             self._sidecar.pipeline.start(state, message)
         elif kind == "query":
-            job_path = self._sidecar.committer.job_path(state.job)
-            self.send(await asyncio.to_thread(restore.inventory, job_path, state))
+            committer = self._sidecar.committer
+            await committer.settled(state.job)
+            self.send(await asyncio.to_thread(restore.inventory, committer.job_path(state.job), state))
         elif kind == "stage":
             await self._stage(state, message["step"], message["slot"])
 
