@@ -96,3 +96,26 @@ def test_a_step_one_node_fails_fails_on_every_node_with_that_nodes_reason_long_b
         rank.save(2)
     for rank in ranks:
         assert rank.wait(2, timeout=60)["committed"], "the failure of step 1 must not spill over to step 2"
+
+
+def test_a_node_whose_ranks_save_a_step_after_another_node_failed_it_refuses_it_without_writing(
+    start_sidecar, start_rank, storage
+):
+    nodes = {"a": start_sidecar("a"), "b": start_sidecar("b", extra=["--commit-timeout", "2"])}
+    ranks = [start_rank(nodes["a" if rank < 2 else "b"], job="late", rank=rank, world_size=4, local_world_size=2)
+             for rank in range(4)]
+    ranks[2].save(1)  # rank 3 skips step 1, so node b fails it at its timeout and leaves a notice
+    assert not ranks[2].wait(1, timeout=60)["committed"]
+    step_path = layout.step_dir(storage / "late", 1)
+    wait_for(lambda: manifest.read_failures(step_path), "node b's failure notice for step 1")
+
+    for rank in ranks[:2]:
+        rank.save(1)
+    for rank in ranks[:2]:
+        answer = rank.wait(1, timeout=60)
+        assert not answer["committed"] and "step 1 failed on node b: commit of step 1 timed out" in answer["error"]
+    # Node a wrote nothing for step 1: no rank file (finished or temporary) and no receipt.
+    node_a = (layout.rank_file_name(0, 4), layout.rank_file_name(1, 4), layout.receipt_name("a"))
+    written = sorted(path.name for path in step_path.iterdir())
+    assert not [name for name in written if name.startswith(node_a)], written
+    assert not (step_path / layout.MANIFEST).exists()

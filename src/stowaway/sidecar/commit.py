@@ -7,8 +7,10 @@ its node's receipt, and then:
 - otherwise waits until the coordinator's manifest for this run appears.
 Both waits end at the commit timeout, or as soon as another node's failure
 notice for this run appears: a node that fails a step of a multi-node job
-writes one, since the sidecars share nothing but the storage. Every rank that
-persisted the step gets exactly one ``committed`` or ``failed`` for it.
+writes one, since the sidecars share nothing but the storage; a node whose
+ranks hand the step over only after the notice appeared refuses it at once.
+Every rank that persisted the step gets exactly one ``committed`` or
+``failed`` for it.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class Committer:
                     f"step {step} of job {job} is already committed at {step_path}; a checkpoint is "
                     "never overwritten: save a later step (load() returns the step to continue from)"
                 )
+            elsewhere = self._failed_before_admission(job, run, step, world_size, local_world_size, step_path)
+            if elsewhere is not None:
+                return elsewhere
             pending = PendingStep(job, run, step, world_size, local_world_size)
             self._pending[(job, step)] = pending
             pending.expiry = asyncio.get_running_loop().call_later(
@@ -219,14 +224,34 @@ class Committer:
         """
         if not coordinator:
             missing = self._missing_manifest(pending, step_path)
-            return (None if missing is None else self._failure_elsewhere(pending, step_path)), missing
-        elsewhere = self._failure_elsewhere(pending, step_path)
+            return (None if missing is None else self._failure_elsewhere(pending.run, pending.step, step_path)), missing
+        elsewhere = self._failure_elsewhere(pending.run, pending.step, step_path)
         return elsewhere, (None if elsewhere is not None else self._commit_if_complete(pending, step_path))
 
-    def _failure_elsewhere(self, pending: PendingStep, step_path: Path) -> str | None:
+    def _failed_before_admission(self, job: str, run: str, step: int, world_size: int, local_world_size: int,
+                                 step_path: Path) -> str | None:
+        """Another node's notice for a step this node has not started: refuse it rather than persist in vain.
+
+        Counted and remembered as a failure learnt later would be, so this
+        node's other ranks are refused without reading the notice again. An
+        unreadable notice admits the step, and the commit's poll reports it.
+        """
+        if world_size == local_world_size:
+            return None
+        try:
+            reason = self._failure_elsewhere(run, step, step_path)
+        except (OSError, manifest.ManifestError):
+            return None
+        if reason is not None:
+            self._remember_failure(job, step, run, reason)
+            self._stats.failed(_OTHER_NODE_FAILED)
+            log.warning("step %d of job %s refused: %s", step, job, reason)
+        return reason
+
+    def _failure_elsewhere(self, run: str, step: int, step_path: Path) -> str | None:
         for failure in manifest.read_failures(step_path):
-            if failure.run == pending.run and failure.node != self._config.node:
-                return f"step {pending.step} failed on node {failure.node}: {failure.reason}"
+            if failure.run == run and failure.node != self._config.node:
+                return f"step {step} failed on node {failure.node}: {failure.reason}"
         return None
 
     def _commit_if_complete(self, pending: PendingStep, step_path: Path) -> str | None:
