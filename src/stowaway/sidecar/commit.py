@@ -153,12 +153,10 @@ class Committer:
 
     def fail(self, job: str, step: int, kind: str, reason: str) -> None:
         """Fail the whole step for every local rank that persisted it, and tell the other nodes."""
-        pending = self._pending.pop((job, step), None)
+        pending = self._pending.get((job, step))
         if pending is None:
             return
-        pending.resolved.set()
-        if pending.expiry is not None:
-            pending.expiry.cancel()
+        self._resolve(pending)
         if pending.task is not None and pending.task is not asyncio.current_task():
             pending.task.cancel()
         self._remember_failure(job, step, pending.run, reason)
@@ -308,11 +306,15 @@ class Committer:
             return f"a manifest of run {pending.run} (found one of run {found.run})"
         return None
 
-    def _finish(self, pending: PendingStep) -> None:
+    def _resolve(self, pending: PendingStep) -> None:
+        """Forget a step that has committed or failed, and wake whoever waits for it to settle."""
         self._pending.pop((pending.job, pending.step), None)
         pending.resolved.set()
         if pending.expiry is not None:
             pending.expiry.cancel()
+
+    def _finish(self, pending: PendingStep) -> None:
+        self._resolve(pending)
         seconds = time.monotonic() - pending.started
         self._stats.committed(pending.step, seconds, time.time())
         log.info("committed step %d of job %s in %.3f s", pending.step, pending.job, seconds)
