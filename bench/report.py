@@ -33,6 +33,9 @@ CONTEXT = (
     ("save blocking / pinned copy reference", "stowaway.save.steady", (("reference.copy_pinned",),)),
     # The floor of "save blocking / DCP async_save blocking": save cannot block for less than the copy.
     ("copy reference / DCP async_save blocking", "reference.copy", (("dcp.async_save",),)),
+    # A save into the second slot while the sidecar persists from the first; the first time, into the spare slot.
+    ("save while the previous persists / copy reference", "stowaway.save.overlapped.steady", (("reference.copy",),)),
+    ("first save into the spare slot / copy reference", "stowaway.save.overlapped.first", (("reference.copy",),)),
     ("committed / (copy + fastest write)", "stowaway.committed.steady",
      (("reference.copy",), ("reference.write_buffered", "reference.write_direct"))),
     # Per-tensor work shows in CPU time even where the wall time hides it behind memory bandwidth.
@@ -49,6 +52,8 @@ CONTEXT = (
 ROWS = (
     ("stowaway.save.first", "Stowaway save, first (blocking)"),
     ("stowaway.save.steady", "Stowaway save, steady (blocking)"),
+    ("stowaway.save.overlapped.first", "Stowaway save while the previous persists, first into the spare slot"),
+    ("stowaway.save.overlapped.steady", "Stowaway save while the previous persists, steady"),
     ("stowaway.committed.first", "Stowaway committed, first"),
     ("stowaway.committed.steady", "Stowaway committed, steady"),
     ("stowaway.restore.memory", "Stowaway restore from shared memory"),

@@ -133,6 +133,28 @@ def _measure_saves(run: Run, ckpt: Checkpointer, training: dict[str, Any], extra
             after_each_steady()
 
 
+def measure_overlapped_saves(run: Run, training: dict[str, Any]) -> None:
+    """Saves made while the previous one still persists, as frequent checkpoints are, into a second slot.
+
+    The first time, that slot is the spare allocated in the background after
+    this checkpointer's first save; the harness gives it the time of that
+    save's commit to do so, as training gives it the time between two saves.
+    The slot of the phase before is reused, so the rank holds two slots at
+    most, never three.
+    """
+    with Checkpointer(slots=2, timeout=1800) as ckpt:
+        step = run.reps + 1
+        ckpt.save(step, training).wait()
+        for rep in range(run.reps + 1):
+            dist.barrier()
+            persisting = ckpt.save(step + 1, training)
+            kind = "first" if rep == 0 else "steady"
+            overlapped = run.timed(f"stowaway.save.overlapped.{kind}", lambda step=step: ckpt.save(step + 2, training))
+            persisting.wait()
+            overlapped.wait()
+            step += 2
+
+
 def measure_torch_save(run: Run, training: dict[str, Any]) -> None:
     path = run.scratch / f"torch-{run.rank}.pt"
     for _ in range(run.reps):
@@ -206,6 +228,7 @@ def main() -> None:
     training = state.build(args.total_bytes // dist.get_world_size(), seed=run.rank, device=device)
     extra: dict[str, Any] = {"bytes": run.slowest(state.nbytes_of(training)) * dist.get_world_size()}
     measure_stowaway_and_references(run, training, extra)
+    measure_overlapped_saves(run, training)
     measure_torch_save(run, training)
     measure_dcp(run, training)
     if run.rank == 0:

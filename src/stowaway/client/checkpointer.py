@@ -18,6 +18,7 @@ from stowaway.client import agreement, env
 from stowaway.client.connection import Connection, Message
 from stowaway.client.handle import SaveHandle
 from stowaway.client.pool import ClientSlot, Owner, SlotPool
+from stowaway.client.spare_slots import SpareSlots
 from stowaway.errors import (
     ConfigurationError,
     ProtocolError,
@@ -34,6 +35,8 @@ from stowaway.slots import header
 
 log = logging.getLogger("stowaway")
 DEFAULT_TIMEOUT = 600.0
+# Owners of a slot the sidecar may still read or write: it has not handed it back on this connection yet.
+_HELD_BY_SIDECAR = (Owner.SIDECAR, Owner.UNKNOWN)
 
 
 class Checkpointer:
@@ -79,6 +82,7 @@ class Checkpointer:
         self._encoder = codec.Encoder()
         self._cond = threading.Condition()
         self._pool: SlotPool | None = None
+        self._spares: SpareSlots | None = None
         self._connected = False
         self._handles: dict[int, SaveHandle] = {}
         self._responses: dict[tuple[str, int], Message] = {}
@@ -138,6 +142,8 @@ class Checkpointer:
             if self._connected and slot.registered and self._connection.send(request):
                 slot.owner, slot.in_flight_step, slot.in_flight_generation = Owner.SIDECAR, step, generation
                 self._handles[step] = handle
+                assert self._spares is not None
+                self._spares.prepare(slot.capacity)
             else:
                 handle._resolve(f"the connection to the sidecar was lost before the persist was sent "
                                 f"({self._connection.last_error})")
@@ -193,7 +199,7 @@ class Checkpointer:
     def slots_in_flight(self) -> int:
         """Slots this rank has handed to the sidecar and not yet got back."""
         with self._cond:
-            return 0 if self._pool is None else sum(slot.owner is not Owner.RANK for slot in self._pool.slots)
+            return 0 if self._pool is None else sum(slot.owner in _HELD_BY_SIDECAR for slot in self._pool.slots)
 
     def close(self) -> None:
         """Wait (bounded by the timeout) for saves in flight to be answered, then disconnect."""
@@ -203,6 +209,8 @@ class Checkpointer:
         with self._cond:
             self._cond.wait_for(lambda: not self._handles or not self._connected, self.timeout)
         self._connection.close()
+        if self._spares is not None:
+            self._spares.join(self.timeout)
         with self._cond:
             if self._pool is not None:
                 self._pool.close()
@@ -232,10 +240,11 @@ class Checkpointer:
 
         def describe() -> str:
             assert self._pool is not None
-            flights = [s.in_flight_step for s in self._pool.slots if s.owner is not Owner.RANK]
-            return (f"a free slot for step {step} (all {len(self._pool.slots)} slots in flight, steps "
-                    f"{flights}): the sidecar persists slower than this rank saves; save less often, "
-                    "add slots, or check storage throughput")
+            flights = [s.in_flight_step for s in self._pool.slots if s.owner in _HELD_BY_SIDECAR]
+            held = (f"all {len(flights)} slots in flight" if len(flights) == len(self._pool.slots) else
+                    f"{len(flights)} of {len(self._pool.slots)} slots in flight, the others still being allocated")
+            return (f"a free slot for step {step} ({held}, steps {flights}): the sidecar persists slower than "
+                    "this rank saves; save less often, add slots, or check storage throughput")
 
         self._wait_until(lambda: free() is not None, describe, SlotWaitTimeout)
         with self._cond:
@@ -306,12 +315,13 @@ class Checkpointer:
                 self._pool = SlotPool(Path(welcome["shm_dir"]), self.job, self.rank, self._slot_count,
                                       self.local_world_size)
                 self._pool.adopt_existing()
+                self._spares = SpareSlots(self._pool, self._cond)
             busy = set(welcome["busy"])
             for slot in self._pool.slots:
                 slot.registered = False
                 if slot.index in busy:
                     slot.owner, slot.in_flight_generation = Owner.SIDECAR, None
-                elif slot.owner is not Owner.RANK:
+                elif slot.owner in _HELD_BY_SIDECAR:
                     slot.owner, slot.in_flight_step, slot.in_flight_generation = Owner.RANK, None, None
             self._connected = True
             self._cond.notify_all()
@@ -371,8 +381,8 @@ class Checkpointer:
     def _return_slot(self, index: int, step: int, generation: int | None) -> None:
         assert self._pool is not None
         slot = self._pool.slots[index]
-        if slot.owner is Owner.RANK or (generation is not None and slot.in_flight_generation
-                                          not in (None, generation)):
+        if slot.owner not in _HELD_BY_SIDECAR or (generation is not None and slot.in_flight_generation
+                                                  not in (None, generation)):
             raise ProtocolError(f"answer for slot {index} step {step}, which the sidecar does not hold "
                                 f"(owner {slot.owner.value}, in flight {slot.in_flight_step}): a duplicate answer")
         slot.owner, slot.in_flight_step, slot.in_flight_generation = Owner.RANK, None, None

@@ -1,10 +1,10 @@
 """The rank's side of slot ownership.
 
 Each slot is owned by the rank (it may write), by the sidecar (a persist or a
-stage is in flight), or unknown (the connection dropped and the sidecar has
-not said yet which slots it still reads). Only ``Owner.RANK`` slots are ever
-written; the checkpointer changes owners only on messages from its own
-connection.
+stage is in flight), by the rank's background allocator (``spare_slots``), or
+unknown (the connection dropped and the sidecar has not said yet which slots
+it still reads). Saves write only ``Owner.RANK`` slots; the checkpointer moves
+a slot between rank and sidecar only on messages from its own connection.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ HEADROOM = 1.10
 class Owner(enum.Enum):
     RANK = "rank"
     SIDECAR = "sidecar"
+    ALLOCATOR = "allocator"
     UNKNOWN = "unknown"
 
 

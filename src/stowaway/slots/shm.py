@@ -1,13 +1,19 @@
 """Slot files in a tmpfs: allocation, pre-faulting, growth, capacity checks.
 
-Pages are allocated with ``posix_fallocate`` and mapped with ``MAP_POPULATE``
-once, at allocation: the first write to a fresh tmpfs page costs about thirty
-times a write to a resident one, and a checkpoint should cost a memcpy.
+Pages are reserved with ``posix_fallocate``, so that a full tmpfs fails the
+allocation with ENOSPC instead of killing the rank with SIGBUS in the middle
+of a copy. They are not faulted in at allocation: ``MAP_POPULATE`` after
+``posix_fallocate`` took 0.55 s per GiB on one thread, while the first copy
+faults the same pages in on every thread torch copies with, and the whole
+first save of 1 GiB went from 1.3-1.4 s to 0.8-0.9 s. A slot allocated ahead
+of its first use (``prefault``) has its pages faulted in by a background
+thread instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 from dataclasses import dataclass
@@ -17,7 +23,10 @@ from stowaway.errors import ShmCapacityError
 from stowaway.slots import header
 
 SLOT_FILE_MODE = 0o660
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+# madvise(MADV_POPULATE_WRITE), Linux 5.14 and later: write-fault a range now. Called through ctypes,
+# which releases the GIL for the whole call; mmap.madvise holds it.
+_MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _page_round(nbytes: int) -> int:
@@ -37,6 +46,8 @@ class SlotFile:
         self._fd = fd
         self._writable = writable
         self._map: mmap.mmap | None = None
+        # Kept apart from the mapping so that another thread reading the capacity never sees it closed mid-remap.
+        self._mapped_bytes = 0
         self._remap()
 
     @classmethod
@@ -67,12 +78,28 @@ class SlotFile:
         if size < header.HEADER_BYTES:
             raise header.SlotHeaderError(f"{self.path} is {size} bytes, shorter than a slot header")
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if self._writable else 0)
-        self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot)
+        self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        self._mapped_bytes = size
+
+    def prefault(self) -> bool:
+        """Fault every page into this mapping, so that the first save into it writes to resident pages.
+
+        Takes about a third of a second per GiB without holding the GIL.
+        False when the kernel (before 5.14) does not know the advice; the
+        first save then faults the pages in itself.
+        """
+        assert self._map is not None and self._writable
+        anchor = ctypes.c_char.from_buffer(self._map)
+        try:
+            status = _libc.madvise(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(len(self._map)),
+                                   _MADV_POPULATE_WRITE)
+        finally:
+            del anchor
+        return status == 0
 
     @property
     def capacity(self) -> int:
-        assert self._map is not None
-        return len(self._map) - header.HEADER_BYTES
+        return self._mapped_bytes - header.HEADER_BYTES
 
     @property
     def header_view(self) -> memoryview:
