@@ -119,3 +119,26 @@ def test_a_node_whose_ranks_save_a_step_after_another_node_failed_it_refuses_it_
     written = sorted(path.name for path in step_path.iterdir())
     assert not [name for name in written if name.startswith(node_a)], written
     assert not (step_path / layout.MANIFEST).exists()
+
+
+def test_a_node_still_persisting_a_step_another_node_failed_stops_and_keeps_no_file(start_sidecar, start_rank,
+                                                                                  storage):
+    # Node a writes its ranks' 64 MiB each at 16 MiB/s, in 32 MiB chunks: about 8 s, far past node b's 2 s
+    # timeout, so the notice appears while node a is between chunks.
+    nodes = {"a": start_sidecar("a", extra=["--write-rate-limit", str(16 * 2**20)]),
+             "b": start_sidecar("b", extra=["--commit-timeout", "2"])}
+    ranks = [start_rank(nodes["a" if rank < 2 else "b"], job="stop", rank=rank, world_size=4, local_world_size=2)
+             for rank in range(4)]
+    step_path = layout.step_dir(storage / "stop", 1)
+    ranks[2].save(1)  # rank 3 skips step 1, so node b fails it at its timeout and leaves a notice
+    for rank in ranks[:2]:
+        rank.save(1, numel=8 * 2**20)
+    assert not manifest.read_failures(step_path), "node b failed step 1 before node a started it: proves nothing"
+
+    for rank in ranks[:2]:
+        answer = rank.wait(1, timeout=60)
+        assert not answer["committed"] and "step 1 failed on node b: commit of step 1 timed out" in answer["error"]
+    assert nodes["a"].stop() == 0  # a graceful stop waits for the persists in flight to end
+    node_a = (layout.rank_file_name(0, 4), layout.rank_file_name(1, 4), layout.receipt_name("a"))
+    written = sorted(path.name for path in step_path.iterdir())
+    assert not [name for name in written if name.startswith(node_a)], written

@@ -8,7 +8,8 @@ its node's receipt, and then:
 Both waits end at the commit timeout, or as soon as another node's failure
 notice for this run appears: a node that fails a step of a multi-node job
 writes one, since the sidecars share nothing but the storage; a node whose
-ranks hand the step over only after the notice appeared refuses it at once.
+ranks hand the step over only after the notice appeared refuses it at once,
+and one that is still persisting the step watches for notices and stops.
 Every rank that persisted the step gets exactly one ``committed`` or
 ``failed`` for it.
 """
@@ -48,6 +49,7 @@ class PendingStep:
     entries: dict[int, manifest.FileEntry] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
     expiry: asyncio.TimerHandle | None = None
+    watcher: asyncio.Task[None] | None = None
     # Set once the step is committed or failed.
     resolved: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -95,9 +97,18 @@ class Committer:
             pending.expiry = asyncio.get_running_loop().call_later(
                 self._config.commit_timeout, self._expire_local_wait, pending
             )
+            if world_size > local_world_size:
+                pending.watcher = asyncio.create_task(self._watch_notices(pending), name=f"notices {job}/{step}")
         pending.admitted.add(rank)
         pending.local_world_size = max(pending.local_world_size, local_world_size)
         return None
+
+    def abandoned(self, job: str, run: str, step: int) -> str | None:
+        """Why the step has failed, if it has: its persists still running stop rather than write in vain.
+
+        Called from persist threads between chunks; a dictionary lookup.
+        """
+        return self._failed.get((job, step, run))
 
     def busy_steps(self, job: str) -> set[int]:
         return {step for (name, step) in self._pending if name == job}
@@ -133,6 +144,24 @@ class Committer:
             self.fail(job, step, "storage_io", f"cannot write the receipt of node {self._config.node}: {exc}")
             return
         pending.task = asyncio.create_task(self._await_commit(pending), name=f"commit {job}/{step}")
+
+    async def _watch_notices(self, pending: PendingStep) -> None:
+        """While this node persists a multi-node step, fail it as soon as another node's notice appears.
+
+        Persisting gigabytes takes a while, and the commit's own poll starts
+        only once every local file is durable; until then this watch lets the
+        persists stop at their next chunk and hand their slots back.
+        """
+        step_path = layout.step_dir(self.job_path(pending.job), pending.step)
+        while pending.task is None and not pending.resolved.is_set():
+            try:
+                elsewhere = await asyncio.to_thread(self._failure_elsewhere, pending.run, pending.step, step_path)
+            except (OSError, manifest.ManifestError):
+                elsewhere = None
+            if elsewhere is not None and pending.task is None and not pending.resolved.is_set():
+                self.fail(pending.job, pending.step, _OTHER_NODE_FAILED, elsewhere)
+                return
+            await asyncio.sleep(self._config.commit_poll_interval)
 
     def _expire_local_wait(self, pending: PendingStep) -> None:
         """The commit timeout, while this node's ranks are still persisting (or one never saved the step).
@@ -312,6 +341,8 @@ class Committer:
         pending.resolved.set()
         if pending.expiry is not None:
             pending.expiry.cancel()
+        if pending.watcher is not None and pending.watcher is not asyncio.current_task():
+            pending.watcher.cancel()
 
     def _finish(self, pending: PendingStep) -> None:
         self._resolve(pending)

@@ -17,6 +17,7 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,10 @@ class PersistError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class StepAbandoned(Exception):
+    """The step failed while its persist ran, and has been counted and reported already; the persist stops."""
 
 
 def classify(exc: OSError, path: Path) -> PersistError:
@@ -96,8 +101,20 @@ def check_slot(slot: SlotFile, step: int, generation: int, nbytes: int) -> None:
 
 
 def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Path,
-             limiter: RateLimiter, direct: bool) -> Written:
+             limiter: RateLimiter, direct: bool, abandoned: Callable[[], str | None]) -> Written:
+    """Write the slot's payload to a temporary file beside ``final``.
+
+    Before each chunk, ``abandoned`` says whether the step has failed
+    meanwhile (on this node or another); the copy then stops, and its
+    partial file is removed.
+    """
     check_slot(slot, step, generation, nbytes)
+
+    def before_chunk(size: int) -> None:
+        limiter.acquire(size)
+        reason = abandoned()
+        if reason is not None:
+            raise StepAbandoned(f"stopped persisting step {step}: {reason}")
     try:
         durable.make_dirs(final.parent)
     except OSError as exc:
@@ -109,7 +126,7 @@ def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Pat
         raise classify(exc, tmp) from exc
     written = Written(tmp, final, fd, nbytes, "")
     try:
-        written.digest = direct_io.write_from(fd, slot.payload(), nbytes, limiter.acquire)
+        written.digest = direct_io.write_from(fd, slot.payload(), nbytes, before_chunk)
         after = slot.read_header()
         if not after.complete or after.generation != generation:
             raise PersistError(

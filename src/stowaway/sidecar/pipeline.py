@@ -56,6 +56,7 @@ class SavePipeline:
                 written = await asyncio.to_thread(
                     persister.copy_out, state.slots[slot_index], step, request["generation"],
                     request["nbytes"], final, self._limiter, self._config.direct_io,
+                    lambda: self._committer.abandoned(state.job, request["run"], step),
                 )
                 state.memory_digests[slot_index] = (request["generation"], step, written.digest)
                 state.busy.discard(slot_index)
@@ -63,6 +64,9 @@ class SavePipeline:
                             "generation": request["generation"]})
                 await asyncio.to_thread(persister.make_durable, written)
                 self._stats.persist_finished(written.nbytes, time.monotonic() - started)
+        except persister.StepAbandoned as exc:
+            self._hand_back(state, slot_index, step, str(exc))
+            return
         except persister.PersistError as exc:
             self._answer_failure(state, slot_index, step, exc.kind, str(exc))
             return
@@ -75,10 +79,15 @@ class SavePipeline:
         await self._committer.durable(state.job, step, entry)
 
     def _answer_failure(self, state: RankState, slot: int, step: int, kind: str, reason: str) -> None:
+        self._hand_back(state, slot, step, reason)
+        self._committer.fail(state.job, step, kind, f"rank {state.rank}: {reason}")
+
+    @staticmethod
+    def _hand_back(state: RankState, slot: int, step: int, reason: str) -> None:
+        """Give the rank its slot back, unless the persist had already released it."""
         if slot in state.busy:
             state.busy.discard(slot)
             state.send({"type": "failed", "step": step, "slot": slot, "reason": reason})
-        self._committer.fail(state.job, step, kind, f"rank {state.rank}: {reason}")
 
     async def drain(self, timeout: float) -> bool:
         """Wait for in-flight persists; True when all finished within ``timeout``."""
