@@ -65,7 +65,8 @@ def test_a_slot_that_cannot_be_allocated_ahead_is_left_to_the_save_that_needs_it
     cond = threading.Condition()
     spares = SpareSlots(pool, cond)
     pool.ensure_capacity(pool.slots[0], CAPACITY)
-    too_big = os.statvfs(pool.shm_dir).f_bavail * os.statvfs(pool.shm_dir).f_frsize
+    stats = os.statvfs(pool.shm_dir)
+    too_big = stats.f_bavail * stats.f_frsize
     with caplog.at_level(logging.WARNING, logger="stowaway"), cond:
         spares.prepare(too_big)
     spares.join(timeout=60)

@@ -76,7 +76,7 @@ class Committer:
 
     def admit(self, job: str, run: str, step: int, rank: int, world_size: int, local_world_size: int) -> str | None:
         """Register a rank's persist of a step; return why it must be refused, if it must."""
-        failure = self._failed.get((job, step, run))
+        failure = self.abandoned(job, run, step)
         if failure is not None:
             return failure
         step_path = layout.step_dir(self.job_path(job), step)
@@ -154,10 +154,7 @@ class Committer:
         """
         step_path = layout.step_dir(self.job_path(pending.job), pending.step)
         while pending.task is None and not pending.resolved.is_set():
-            try:
-                elsewhere = await asyncio.to_thread(self._failure_elsewhere, pending.run, pending.step, step_path)
-            except (OSError, manifest.ManifestError):
-                elsewhere = None
+            elsewhere = await asyncio.to_thread(self._readable_failure_elsewhere, pending.run, pending.step, step_path)
             if elsewhere is not None and pending.task is None and not pending.resolved.is_set():
                 self.fail(pending.job, pending.step, _OTHER_NODE_FAILED, elsewhere)
                 return
@@ -265,15 +262,19 @@ class Committer:
         """
         if world_size == local_world_size:
             return None
-        try:
-            reason = self._failure_elsewhere(run, step, step_path)
-        except (OSError, manifest.ManifestError):
-            return None
+        reason = self._readable_failure_elsewhere(run, step, step_path)
         if reason is not None:
             self._remember_failure(job, step, run, reason)
             self._stats.failed(_OTHER_NODE_FAILED)
             log.warning("step %d of job %s refused: %s", step, job, reason)
         return reason
+
+    def _readable_failure_elsewhere(self, run: str, step: int, step_path: Path) -> str | None:
+        """``_failure_elsewhere``, where an unreadable notice counts as none: the commit's poll reports it."""
+        try:
+            return self._failure_elsewhere(run, step, step_path)
+        except (OSError, manifest.ManifestError):
+            return None
 
     def _failure_elsewhere(self, run: str, step: int, step_path: Path) -> str | None:
         for failure in manifest.read_failures(step_path):

@@ -81,21 +81,20 @@ class SlotFile:
         self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED, prot=prot)
         self._mapped_bytes = size
 
-    def prefault(self) -> bool:
+    def prefault(self) -> None:
         """Fault every page into this mapping, so that the first save into it writes to resident pages.
 
-        Takes about a third of a second per GiB without holding the GIL.
-        False when the kernel (before 5.14) does not know the advice; the
-        first save then faults the pages in itself.
+        Takes about a third of a second per GiB without holding the GIL. A
+        kernel before 5.14 refuses the advice; the first save then faults the
+        pages in itself.
         """
         assert self._map is not None and self._writable
         anchor = ctypes.c_char.from_buffer(self._map)
         try:
-            status = _libc.madvise(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(len(self._map)),
-                                   _MADV_POPULATE_WRITE)
+            _libc.madvise(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(len(self._map)),
+                          _MADV_POPULATE_WRITE)
         finally:
             del anchor
-        return status == 0
 
     @property
     def capacity(self) -> int:
