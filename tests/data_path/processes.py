@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +32,28 @@ def wait_for(condition: Callable[[], Any], what: str, timeout: float = DEADLINE,
             return result
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def as_user(uid: int, groups: list[int]) -> list[str]:
+    """Run a command as ``uid`` (its own group, plus ``groups`` as kubelet adds a pod's fsGroup).
+
+    The virtual environment lies under root's home, which no other uid may
+    enter, so the command keeps CAP_DAC_READ_SEARCH: it may read any file,
+    but writing the socket, the slots and the storage still takes the
+    permissions under test.
+    """
+    supplementary = f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", supplementary,
+            "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
+
+
+def other_uids_unavailable() -> str | None:
+    """Why processes cannot be run as other uids here, or None."""
+    if os.getuid() != 0:
+        return "running processes as other uids needs root"
+    if shutil.which("setpriv") is None:
+        return "running processes as other uids needs setpriv (util-linux)"
+    return None
 
 
 class SidecarProcess:

@@ -8,15 +8,17 @@ directories under a temp prefix that stands in for the pod's mount points.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from data_path.processes import wait_for
+from data_path.processes import as_user, other_uids_unavailable, wait_for
 from stowaway import Checkpointer
 from stowaway.operator import injection
 from stowaway.storage import catalog
@@ -34,6 +36,25 @@ POD = {
     "spec": {"containers": [{"name": "trainer", "image": "pytorch"}]},
 }
 MOUNT_POINTS = (injection.SHM_PATH, injection.SOCKET_DIR, injection.STORAGE_PATH)
+# The sidecar image's user (Dockerfile: USER 65532:65532), and a trainer image's non-root USER.
+SIDECAR_UID = 65532
+TRAINER_UID = 1000
+# What a trainer does after a restart: restore from its slot, and from storage through the sidecar.
+TRAINER = """
+import json, os, sys, torch
+from stowaway import Checkpointer
+states = {step: {"w": torch.full((4096,), float(step))} for step in (1, 2)}
+with Checkpointer(job=sys.argv[1], socket=sys.argv[2], rank=0, world_size=1, slots=1, timeout=30) as ckpt:
+    for step, state in states.items():
+        ckpt.save(step, state).wait()
+    from_memory = ckpt.load()
+    from_storage = ckpt.load(step=1)
+print(json.dumps({
+    "uid": os.getuid(),
+    "from_memory": [from_memory[0], torch.equal(from_memory[1]["w"], states[2]["w"])],
+    "from_storage": [from_storage[0], torch.equal(from_storage[1]["w"], states[1]["w"])],
+}))
+"""
 
 
 def under(root: Path, path: str) -> str:
@@ -97,3 +118,46 @@ def test_a_sidecar_pointed_at_a_world_writable_directory_refuses_to_start(short_
     assert result.returncode == 2
     assert f"{exposed} is world-writable without the sticky bit" in result.stderr
     assert list(exposed.iterdir()) == [], "nothing may be created in a directory the sidecar refuses"
+
+
+def test_a_trainer_of_another_non_root_uid_saves_and_restores_through_the_pods_fs_group(short_tmp):
+    if reason := other_uids_unavailable():
+        pytest.skip(reason)
+    patch = injection.build_patch(POD, "default", POLICY_SPEC, "stowaway:test")
+    fs_group = patch["spec"]["securityContext"]["fsGroup"]
+    sidecar_command = patch["spec"]["initContainers"][0]["command"]
+    trainer_env = {e["name"]: e["value"] for e in patch["spec"]["containers"][0]["env"]}
+    assert "--allow-uid" not in sidecar_command, "the pod names no uid, so the webhook can allow none"
+    os.chmod(short_tmp, 0o755)
+    root = short_tmp / "pod"
+    kubelet_volumes(root)
+    # kubelet hands a volume to the fsGroup: group-owned, setgid, group-writable.
+    storage = Path(under(root, injection.STORAGE_PATH))
+    os.chown(storage, 0, fs_group)
+    os.chmod(storage, 0o2775)
+    log_path = short_tmp / "sidecar.log"
+    with log_path.open("wb") as log:
+        sidecar = subprocess.Popen(as_user(SIDECAR_UID, [fs_group]) + sidecar_argv(root, sidecar_command),
+                                   stdout=log, stderr=subprocess.STDOUT)
+    socket_path = Path(under(root, trainer_env["STOWAWAY_SOCKET"]))
+    try:
+        def listening() -> bool:
+            assert sidecar.poll() is None, log_path.read_text()
+            return socket_path.exists() and stat.S_ISSOCK(socket_path.stat().st_mode)
+
+        wait_for(listening, "the sidecar running as its image's uid")
+        trainer = subprocess.run(
+            [*as_user(TRAINER_UID, [fs_group]), sys.executable, "-c", TRAINER, trainer_env["STOWAWAY_JOB"],
+             str(socket_path)],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert trainer.returncode == 0, trainer.stderr + log_path.read_text()
+        outcome = json.loads(trainer.stdout)
+        assert outcome == {"uid": TRAINER_UID, "from_memory": [2, True], "from_storage": [1, True]}
+        owners = {(slot.name, slot.stat().st_uid, slot.stat().st_gid, stat.S_IMODE(slot.stat().st_mode))
+                  for slot in Path(under(root, injection.SLOT_DIR)).iterdir()}
+        assert owners and all(owner[1:] == (TRAINER_UID, fs_group, 0o660) for owner in owners), owners
+        assert catalog.committed_steps(storage / trainer_env["STOWAWAY_JOB"]) == [1, 2]
+    finally:
+        sidecar.terminate()
+        assert sidecar.wait(timeout=60) == 0, log_path.read_text()

@@ -87,6 +87,8 @@ class Checkpointer:
         self._handles: dict[int, SaveHandle] = {}
         self._responses: dict[tuple[str, int], Message] = {}
         self._violation: str | None = None
+        # Why the sidecar refused this rank's last hello; cleared by a welcome.
+        self._refusal: str | None = None
         self._closed = False
         self.blocking_seconds: list[float] = []
         self.slot_wait_seconds: list[float] = []
@@ -96,9 +98,14 @@ class Checkpointer:
             "local_world_size": self.local_world_size, "node": _node_name(), "pid": os.getpid(),
         }
         messages.validate_hello(hello)
-        self._connection = Connection(self.socket_path, hello, self._connected_cb, self._message_cb, self._lost_cb)
+        self._connection = Connection(self.socket_path, hello, self._connected_cb, self._message_cb, self._lost_cb,
+                                      self._refused_cb)
         self._connection.start()
-        self._wait_until(lambda: self._connected, "a connection to the sidecar", SidecarUnavailable)
+        try:
+            self._wait_until(lambda: self._connected, "a connection to the sidecar", SidecarUnavailable)
+        except StowawayError:
+            self._connection.close()
+            raise
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -301,9 +308,14 @@ class Checkpointer:
     def _wait_until(self, ready: Callable[[], bool], what: str | Callable[[], str],
                     error: type[StowawayError]) -> None:
         with self._cond:
-            ok = self._cond.wait_for(lambda: ready() or self._violation is not None, self.timeout)
+            ok = self._cond.wait_for(
+                lambda: ready() or self._violation is not None or self._refusal is not None, self.timeout
+            )
             if self._violation is not None:
                 raise ProtocolError(self._violation)
+            if self._refusal is not None and not ready():
+                raise SidecarUnavailable(f"rank {self.rank} of job {self.job}: the sidecar at {self.socket_path} "
+                                         f"refused this rank ({self._refusal})")
             if not ok:
                 described = what() if callable(what) else what
                 raise error(f"rank {self.rank} of job {self.job}: waited {self.timeout:.0f} s for {described} "
@@ -324,6 +336,12 @@ class Checkpointer:
                 elif slot.owner in _HELD_BY_SIDECAR:
                     slot.owner, slot.in_flight_step, slot.in_flight_generation = Owner.RANK, None, None
             self._connected = True
+            self._refusal = None
+            self._cond.notify_all()
+
+    def _refused_cb(self, reason: str) -> None:
+        with self._cond:
+            self._refusal = reason
             self._cond.notify_all()
 
     def _lost_cb(self, reason: str) -> None:

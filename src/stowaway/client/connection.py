@@ -5,6 +5,8 @@ hands it to the checkpointer; nothing else reads this socket, and no other
 rank's answers travel on it. When the sidecar goes away the thread reports
 the loss and reconnects with backoff, so a restarted sidecar is picked up
 without the training loop noticing more than the failed saves in between.
+A sidecar that refuses the hello (another uid, another protocol version)
+would refuse it again: that is reported at once, not retried silently.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ class Connection:
         on_connected: Callable[[Message], None],
         on_message: Callable[[Message], None],
         on_lost: Callable[[str], None],
+        on_refused: Callable[[str], None],
     ) -> None:
         self._path = path
         self._hello = hello
         self._on_connected = on_connected
         self._on_message = on_message
         self._on_lost = on_lost
+        self._on_refused = on_refused
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
@@ -73,42 +77,56 @@ class Connection:
         backoff = _FIRST_BACKOFF
         while not self._closed.is_set():
             sock = self._connect()
-            if sock is None:
-                self._closed.wait(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF)
-                continue
-            backoff = _FIRST_BACKOFF
-            reason = self._serve(sock)
-            with self._send_lock:
-                self._sock = None
-            sock.close()
-            self.last_error = reason
-            if not self._closed.is_set():
-                self._on_lost(reason)
+            if sock is not None:
+                reason, welcomed = self._serve(sock)
+                with self._send_lock:
+                    self._sock = None
+                sock.close()
+                self.last_error = reason
+                # After a served connection, try again at once (the sidecar restarted); after one that was
+                # never welcomed, back off like after a failed connect, or a refusing sidecar is hammered.
+                if welcomed:
+                    backoff = _FIRST_BACKOFF
+                    if not self._closed.is_set():
+                        self._on_lost(reason)
+                    continue
+            self._closed.wait(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF)
 
     def _connect(self) -> socket.socket | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(str(self._path))
-            sock.sendall(frames.encode(self._hello))
         except OSError as exc:
             sock.close()
             self.last_error = f"cannot connect to the sidecar at {self._path}: {exc.strerror or exc}"
             return None
         return sock
 
-    def _serve(self, sock: socket.socket) -> str:
+    def _serve(self, sock: socket.socket) -> tuple[str, bool]:
+        """Say hello and dispatch answers until the connection ends; returns why, and whether it was welcomed."""
         decoder = frames.FrameDecoder()
         welcomed = False
+        try:
+            sock.sendall(frames.encode(self._hello))
+        except OSError as exc:
+            # A sidecar that refuses a peer answers and closes before reading the hello: its reason is still
+            # waiting in the socket, and says more than the broken pipe.
+            unsent = f"connection to the sidecar failed: {exc}"
+        else:
+            unsent = None
         try:
             while data := sock.recv(RECV_BYTES):
                 for message in decoder.feed(data):
                     messages.validate(message, messages.SIDECAR_MESSAGES)
                     if message["type"] == "error":
-                        return f"the sidecar closed the connection: {message['reason']}"
+                        reason = f"the sidecar closed the connection: {message['reason']}"
+                        if not welcomed:
+                            self._on_refused(reason)
+                        return reason, welcomed
                     if not welcomed:
                         if message["type"] != "welcome":
-                            return f"the sidecar sent {message['type']} before welcome"
+                            return f"the sidecar sent {message['type']} before welcome", welcomed
                         with self._send_lock:
                             self._sock = sock
                         welcomed = True
@@ -116,7 +134,7 @@ class Connection:
                     else:
                         self._on_message(message)
         except (frames.FrameError, messages.MessageError) as exc:
-            return f"the sidecar sent an invalid frame: {exc}"
+            return f"the sidecar sent an invalid frame: {exc}", welcomed
         except OSError as exc:
-            return f"connection to the sidecar failed: {exc}"
-        return "the sidecar closed the connection"
+            return f"connection to the sidecar failed: {exc}", welcomed
+        return unsent or "the sidecar closed the connection", welcomed

@@ -15,9 +15,9 @@ import os
 import signal
 import socket
 import stat
-import struct
 from pathlib import Path
 
+from stowaway.sidecar import peers
 from stowaway.sidecar.commit import Committer
 from stowaway.sidecar.config import SidecarConfig
 from stowaway.sidecar.endpoints import Endpoints
@@ -27,7 +27,6 @@ from stowaway.sidecar.session import Session
 from stowaway.sidecar.stats import Stats
 
 log = logging.getLogger(__name__)
-_PEERCRED = struct.Struct("3i")
 _PROBE_TIMEOUT = 2.0
 
 
@@ -46,6 +45,8 @@ class Sidecar:
         self._stop = asyncio.Event()
         self._sessions: set[asyncio.Task[None]] = set()
         self._server: asyncio.base_events.Server | None = None
+        # The group that owns the socket: its members may connect whatever their uid (see ``peers``).
+        self._socket_group = -1
         # Set when the grace period ended with persists or commits still running: their threads may be
         # stuck in a storage write that nothing can interrupt, so the process must not wait for them.
         self.abandoned_work = False
@@ -133,15 +134,17 @@ class Sidecar:
             path.unlink()
         server = await asyncio.start_unix_server(self._accept, path=str(path))
         os.chmod(path, 0o660)
+        self._socket_group = path.stat().st_gid
         return server
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
-        _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        session = Session(self, reader, writer, uid)
-        if uid not in self.config.allowed_uids:
+        peer = peers.credentials(sock)
+        session = Session(self, reader, writer, peer.uid)
+        refusal = peers.refusal(peer, self.config.allowed_uids, self._socket_group)
+        if refusal is not None:
             self.stats.failed("peer_refused")
-            session.close(f"uid {uid} may not use this sidecar; allowed uids: {sorted(self.config.allowed_uids)}")
+            session.close(refusal)
             return
         task = asyncio.current_task()
         assert task is not None
