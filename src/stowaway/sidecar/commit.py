@@ -36,6 +36,11 @@ _REMEMBERED_FAILURES = 256
 _OTHER_NODE_FAILED = "other_node_failed"
 
 
+def _spans_nodes(world_size: int, local_world_size: int) -> bool:
+    """Other sidecars hold some of the job's ranks: their receipts and failure notices come through storage."""
+    return world_size > local_world_size
+
+
 @dataclass
 class PendingStep:
     job: str
@@ -54,9 +59,13 @@ class PendingStep:
     resolved: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
+    def multi_node(self) -> bool:
+        return _spans_nodes(self.world_size, self.local_world_size)
+
+    @property
     def committing(self) -> bool:
         """Every rank of a single-node job has handed the step over: it commits or fails without any rank's help."""
-        return self.world_size == self.local_world_size and len(self.admitted) >= self.local_world_size
+        return not self.multi_node and len(self.admitted) >= self.local_world_size
 
 
 class Committer:
@@ -97,7 +106,7 @@ class Committer:
             pending.expiry = asyncio.get_running_loop().call_later(
                 self._config.commit_timeout, self._expire_local_wait, pending
             )
-            if world_size > local_world_size:
+            if pending.multi_node:
                 pending.watcher = asyncio.create_task(self._watch_notices(pending), name=f"notices {job}/{step}")
         pending.admitted.add(rank)
         pending.local_world_size = max(pending.local_world_size, local_world_size)
@@ -191,7 +200,7 @@ class Committer:
         for rank in sorted(pending.admitted):
             self._send(job, rank, {"type": "failed", "step": step, "slot": None, "reason": reason})
         # A failure learnt from another node's notice is not announced again.
-        if pending.world_size > pending.local_world_size and kind != _OTHER_NODE_FAILED:
+        if pending.multi_node and kind != _OTHER_NODE_FAILED:
             notice = asyncio.create_task(self._announce(pending, reason), name=f"failure notice {job}/{step}")
             self._notices.add(notice)
             notice.add_done_callback(self._notices.discard)
@@ -260,7 +269,7 @@ class Committer:
         node's other ranks are refused without reading the notice again. An
         unreadable notice admits the step, and the commit's poll reports it.
         """
-        if world_size == local_world_size:
+        if not _spans_nodes(world_size, local_world_size):
             return None
         reason = self._readable_failure_elsewhere(run, step, step_path)
         if reason is not None:
