@@ -281,6 +281,24 @@ def test_a_rank_of_another_uid_outside_the_sockets_group_is_refused_and_told_why
     assert f"not in group {group}, which owns the socket" in answer.stdout
 
 
+def test_a_rank_that_may_not_open_the_socket_is_told_which_group_to_join(start_sidecar):
+    if reason := other_uids_unavailable():
+        pytest.skip(reason)
+    sidecar = start_sidecar()
+    nobody = 65534
+    rank = (
+        "import sys\nfrom stowaway import Checkpointer\nfrom stowaway.errors import SidecarUnavailable\n"
+        "try:\n    Checkpointer(job='j', socket=sys.argv[1], rank=0, world_size=1, timeout=3)\n"
+        "except SidecarUnavailable as exc:\n    print(exc)\n"
+    )
+    answer = subprocess.run([*as_user(nobody, []), sys.executable, "-c", rank, str(sidecar.socket)],
+                            capture_output=True, text=True, timeout=60)
+    hint = f"uid {nobody} may not open the socket: run the rank in the socket's group"
+    assert "Permission denied" in answer.stdout and hint in answer.stdout, answer.stdout + answer.stderr
+    # Logged when it first happens, not only in the error at the end of the wait.
+    assert answer.stderr.count(hint) == 1, answer.stderr
+
+
 def test_read_only_storage_fails_the_save_with_the_reason_and_keeps_earlier_checkpoints(
     start_sidecar, start_rank, short_tmp
 ):

@@ -11,7 +11,9 @@ would refuse it again: that is reported at once, not retried silently.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -99,7 +101,14 @@ class Connection:
             sock.connect(str(self._path))
         except OSError as exc:
             sock.close()
-            self.last_error = f"cannot connect to the sidecar at {self._path}: {exc.strerror or exc}"
+            problem = f"cannot connect to the sidecar at {self._path}: {exc.strerror or exc}"
+            if exc.errno == errno.EACCES:
+                # Retried, as any failed connect is, but said at once: it lasts until the rank runs differently.
+                problem += (f" (uid {os.getuid()} may not open the socket: run the rank in the socket's group, "
+                            "in Kubernetes the pod's fsGroup, or as the sidecar's user)")
+                if problem != self.last_error:
+                    log.warning("rank %d: %s; retrying", self._hello["rank"], problem)
+            self.last_error = problem
             return None
         return sock
 
