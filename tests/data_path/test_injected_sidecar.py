@@ -8,6 +8,7 @@ directories under a temp prefix that stands in for the pod's mount points.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import stat
@@ -65,11 +66,15 @@ def under(root: Path, path: str) -> str:
     return path
 
 
-def kubelet_volumes(root: Path) -> None:
+def kubelet_volumes(root: Path, fs_group: int | None = None) -> None:
+    """Volume roots as kubelet leaves them: emptyDirs 0777, handed to the fsGroup (group, setgid) when there is one."""
     for mount in MOUNT_POINTS:
         path = Path(under(root, mount))
         path.mkdir(parents=True)
         os.chmod(path, 0o777)
+        if fs_group is not None:
+            os.chown(path, 0, fs_group)
+            os.chmod(path, 0o2777 if mount != injection.STORAGE_PATH else 0o2775)
 
 
 def sidecar_argv(root: Path, command: list[str]) -> list[str]:
@@ -120,21 +125,22 @@ def test_a_sidecar_pointed_at_a_world_writable_directory_refuses_to_start(short_
     assert list(exposed.iterdir()) == [], "nothing may be created in a directory the sidecar refuses"
 
 
-def test_a_trainer_of_another_non_root_uid_saves_and_restores_through_the_pods_fs_group(short_tmp):
+@pytest.mark.parametrize("own_fs_group", [None, 3000], ids=["the webhook's fsGroup", "the pod's own fsGroup"])
+def test_a_trainer_of_another_non_root_uid_saves_and_restores_through_the_pods_fs_group(short_tmp, own_fs_group):
     if reason := other_uids_unavailable():
         pytest.skip(reason)
-    patch = injection.build_patch(POD, "default", POLICY_SPEC, "stowaway:test")
-    fs_group = patch["spec"]["securityContext"]["fsGroup"]
+    pod = copy.deepcopy(POD)
+    if own_fs_group is not None:
+        pod["spec"]["securityContext"] = {"fsGroup": own_fs_group}
+    patch = injection.build_patch(pod, "default", POLICY_SPEC, "stowaway:test")
+    fs_group = own_fs_group or patch["spec"]["securityContext"]["fsGroup"]
     sidecar_command = patch["spec"]["initContainers"][0]["command"]
     trainer_env = {e["name"]: e["value"] for e in patch["spec"]["containers"][0]["env"]}
     assert "--allow-uid" not in sidecar_command, "the pod names no uid, so the webhook can allow none"
     os.chmod(short_tmp, 0o755)
     root = short_tmp / "pod"
-    kubelet_volumes(root)
-    # kubelet hands a volume to the fsGroup: group-owned, setgid, group-writable.
+    kubelet_volumes(root, fs_group)
     storage = Path(under(root, injection.STORAGE_PATH))
-    os.chown(storage, 0, fs_group)
-    os.chmod(storage, 0o2775)
     log_path = short_tmp / "sidecar.log"
     with log_path.open("wb") as log:
         sidecar = subprocess.Popen(as_user(SIDECAR_UID, [fs_group]) + sidecar_argv(root, sidecar_command),
