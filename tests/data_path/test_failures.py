@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -256,6 +257,20 @@ def test_a_truncated_frame_followed_by_a_hang_up_does_not_disturb_the_sidecar(st
     wait_for(lambda: "closed in the middle of a frame" in sidecar.log(), "the sidecar to log the truncation")
 
 
+NOBODY = 65534
+
+
+def connect_as_nobody(socket_path: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """A rank of uid 65534, in no group, constructing a Checkpointer; prints the SidecarUnavailable it gets."""
+    rank = (
+        "import sys\nfrom stowaway import Checkpointer\nfrom stowaway.errors import SidecarUnavailable\n"
+        f"try:\n    Checkpointer(job='j', socket=sys.argv[1], rank=0, world_size=1, timeout={timeout})\n"
+        "except SidecarUnavailable as exc:\n    print(exc)\n"
+    )
+    return subprocess.run([*as_user(NOBODY, []), sys.executable, "-c", rank, str(socket_path)],
+                          capture_output=True, text=True, timeout=60)
+
+
 def test_a_rank_of_another_uid_outside_the_sockets_group_is_refused_and_told_why_at_once(start_sidecar):
     """Members of the socket's group get in whatever their uid (``test_injected_sidecar``); others do not.
 
@@ -265,19 +280,12 @@ def test_a_rank_of_another_uid_outside_the_sockets_group_is_refused_and_told_why
     if reason := other_uids_unavailable():
         pytest.skip(reason)
     sidecar = start_sidecar()
-    nobody = 65534
     os.chmod(sidecar.socket.parent, 0o777)
     os.chmod(sidecar.socket, 0o777)
-    rank = (
-        "import sys\nfrom stowaway import Checkpointer\nfrom stowaway.errors import SidecarUnavailable\n"
-        "try:\n    Checkpointer(job='j', socket=sys.argv[1], rank=0, world_size=1, timeout=600)\n"
-        "except SidecarUnavailable as exc:\n    print(exc)\n"
-    )
-    answer = subprocess.run([*as_user(nobody, []), sys.executable, "-c", rank, str(sidecar.socket)],
-                            capture_output=True, text=True, timeout=60)
+    answer = connect_as_nobody(sidecar.socket, timeout=600)
     group = sidecar.socket.stat().st_gid
     assert "refused this rank" in answer.stdout, answer.stdout + answer.stderr
-    assert f"uid {nobody} may not use this sidecar" in answer.stdout
+    assert f"uid {NOBODY} may not use this sidecar" in answer.stdout
     assert f"not in group {group}, which owns the socket" in answer.stdout
 
 
@@ -285,15 +293,8 @@ def test_a_rank_that_may_not_open_the_socket_is_told_which_group_to_join(start_s
     if reason := other_uids_unavailable():
         pytest.skip(reason)
     sidecar = start_sidecar()
-    nobody = 65534
-    rank = (
-        "import sys\nfrom stowaway import Checkpointer\nfrom stowaway.errors import SidecarUnavailable\n"
-        "try:\n    Checkpointer(job='j', socket=sys.argv[1], rank=0, world_size=1, timeout=3)\n"
-        "except SidecarUnavailable as exc:\n    print(exc)\n"
-    )
-    answer = subprocess.run([*as_user(nobody, []), sys.executable, "-c", rank, str(sidecar.socket)],
-                            capture_output=True, text=True, timeout=60)
-    hint = f"uid {nobody} may not open the socket: run the rank in the socket's group"
+    answer = connect_as_nobody(sidecar.socket, timeout=3)
+    hint = f"uid {NOBODY} may not open the socket: run the rank in the socket's group"
     assert "Permission denied" in answer.stdout and hint in answer.stdout, answer.stdout + answer.stderr
     # Logged when it first happens, not only in the error at the end of the wait.
     assert answer.stderr.count(hint) == 1, answer.stderr
