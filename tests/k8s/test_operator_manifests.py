@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import subprocess
 import uuid
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client
+from kubernetes.client.rest import ApiException
 
 from stowaway.operator import injection
 
@@ -247,3 +249,29 @@ def test_helm_test_pod_checks_the_webhooks_tls_with_the_ca_the_webhook_trusts(k8
     assert "cafile=\"/etc/stowaway/webhook-tls/ca.crt\"" in container["command"][-1]
     assert pod["spec"]["securityContext"]["runAsNonRoot"]
     assert container["securityContext"]["readOnlyRootFilesystem"]
+
+
+def test_the_charts_pods_meet_the_restricted_pod_security_standard(
+    k8s_cluster: Cluster, k8s_api: client.ApiClient, k8s_namespace: str
+) -> None:
+    """A namespace enforcing "restricted" admits the operator's pod and the helm test's pod.
+
+    Each pod is created with a server-side dry run, so PodSecurity judges it
+    as it would the real one (a Deployment alone is only warned about).
+    """
+    core = client.CoreV1Api(k8s_api)
+    core.patch_namespace(k8s_namespace, {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}})
+    rendered = render(k8s_cluster)
+    pods = [d["spec"]["template"] for d in rendered if d["kind"] == "Deployment"]
+    pods += [d for d in rendered if d["kind"] == "Pod"]
+    assert len(pods) == 2, [d["kind"] for d in rendered]
+    refused = []
+    for pod in pods:
+        # The ServiceAccount lives in the release's namespace, not this one; PodSecurity does not look at it.
+        spec = {key: value for key, value in pod["spec"].items() if key != "serviceAccountName"}
+        try:
+            core.create_namespaced_pod(k8s_namespace, {"metadata": {"generateName": "pss-"}, "spec": spec},
+                                       dry_run="All")
+        except ApiException as exc:
+            refused.append(json.loads(exc.body)["message"])
+    assert refused == []

@@ -161,3 +161,20 @@ def test_a_policy_turning_direct_io_off_is_ready_and_its_sidecar_writes_buffered
     pod = training_pod(**{injection.POLICY_ANNOTATION: "buffered"})
     (sidecar,) = client.CoreV1Api(k8s_api).create_namespaced_pod(ready_policy, pod).spec.init_containers
     assert sidecar.command[-1] == "--no-direct-io"
+
+
+def test_a_pod_meeting_the_restricted_pod_security_standard_still_meets_it_once_injected(
+    k8s_api: client.ApiClient, ready_policy: str
+) -> None:
+    core = client.CoreV1Api(k8s_api)
+    core.patch_namespace(ready_policy, {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}})
+    pod = training_pod()
+    # Set per container, as many charts do, rather than once for the pod: every container must then carry it.
+    pod["spec"]["containers"][0]["securityContext"] = {
+        "runAsNonRoot": True, "runAsUser": 1000, "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    unlabelled = {**pod, "metadata": {**pod["metadata"], "labels": {"batch.kubernetes.io/job-name": "train"}}}
+    assert core.create_namespaced_pod(ready_policy, unlabelled).spec.init_containers is None, "the pod alone complies"
+    stored = core.create_namespaced_pod(ready_policy, pod)
+    assert [c.name for c in stored.spec.init_containers] == [injection.SIDECAR_NAME]

@@ -103,11 +103,11 @@ def test_a_trainer_mounting_a_reserved_volume_name_it_did_not_declare_is_refused
         injection.build_patch(pod, "default", policy_spec(), IMAGE)
 
 
-def test_sidecar_is_non_root_read_only_without_capabilities_and_knows_its_node() -> None:
+def test_sidecar_is_non_root_read_only_without_capabilities_confined_and_knows_its_node() -> None:
     sidecar = injected()["spec"]["initContainers"][0]
     assert sidecar["securityContext"] == {
         "runAsNonRoot": True, "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["ALL"]},
+        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
     }
     node = {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}
     assert sidecar["env"] == [{"name": "NODE_NAME", "valueFrom": node}]

@@ -61,11 +61,14 @@ STARTUP_PROBE = {
     "periodSeconds": 1,
     "failureThreshold": 120,
 }
+# Everything the "restricted" Pod Security Standard asks of each container, so that injecting the sidecar
+# never makes a compliant pod non-compliant (a pod may set seccomp per container rather than for the pod).
 SIDECAR_SECURITY = {
     "runAsNonRoot": True,
     "readOnlyRootFilesystem": True,
     "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
 }
 
 
