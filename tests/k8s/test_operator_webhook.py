@@ -178,3 +178,18 @@ def test_a_pod_meeting_the_restricted_pod_security_standard_still_meets_it_once_
     assert core.create_namespaced_pod(ready_policy, unlabelled).spec.init_containers is None, "the pod alone complies"
     stored = core.create_namespaced_pod(ready_policy, pod)
     assert [c.name for c in stored.spec.init_containers] == [injection.SIDECAR_NAME]
+
+
+def test_a_pod_with_its_own_memory_dev_shm_is_stored_with_the_sidecars_volume_in_its_place(
+    k8s_api: client.ApiClient, ready_policy: str
+) -> None:
+    pod = training_pod()
+    pod["spec"]["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    stored = client.CoreV1Api(k8s_api).create_namespaced_pod(ready_policy, pod)
+    volumes = {v.name: v for v in stored.spec.volumes}
+    assert "dshm" not in volumes
+    # The policy's 2Gi for the slots, plus the 1Gi the pod had there.
+    assert volumes[injection.SHM_VOLUME].empty_dir.size_limit == str(3 * 2**30)
+    (trainer,) = stored.spec.containers
+    assert [m.name for m in trainer.volume_mounts if m.mount_path == "/dev/shm"] == [injection.SHM_VOLUME]

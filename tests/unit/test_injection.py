@@ -294,11 +294,46 @@ def test_the_job_name_becomes_a_pod_label_for_prometheus_unless_it_is_no_valid_l
     assert {"name": "STOWAWAY_JOB", "value": "x" * 70} in result["spec"]["containers"][0]["env"]
 
 
-def test_a_user_mount_on_dev_shm_is_refused_with_the_container_named() -> None:
-    pod = job_pod(volumes=[{"name": "shm", "emptyDir": {"medium": "Memory"}}])
-    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "shm", "mountPath": "/dev/shm"}]
-    with pytest.raises(injection.InjectionError, match="'trainer' already mounts /dev/shm"):
+def shm_pod(volume: dict[str, Any], *mounts: dict[str, Any]) -> dict[str, Any]:
+    """A pod with its own volume ``dshm``, mounted by an init container and the trainer as given."""
+    pod = job_pod(volumes=[{"name": "data", "emptyDir": {}}, {"name": "dshm", **volume}])
+    pod["spec"]["initContainers"] = [{"name": "fetch", "image": "busybox",
+                                      "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}]
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": "/data"}, *mounts]
+    return pod
+
+
+def test_a_memory_dev_shm_of_the_pod_is_taken_over_and_its_size_added_to_the_slots() -> None:
+    pod = shm_pod({"emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}}, {"name": "dshm", "mountPath": "/dev/shm/"})
+    result = injected(pod)
+    volumes = {v["name"]: v for v in result["spec"]["volumes"]}
+    assert "dshm" not in volumes and volumes["data"] == {"name": "data", "emptyDir": {}}
+    assert volumes["stowaway-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": str(12 * 2**30)}
+    for container in [*result["spec"]["initContainers"][1:], *result["spec"]["containers"]]:
+        mounts = [(m["name"], m["mountPath"]) for m in container["volumeMounts"]]
+        assert ("dshm", "/dev/shm") not in mounts and ("dshm", "/dev/shm/") not in mounts, container["name"]
+        assert mounts.count(("stowaway-shm", "/dev/shm")) == 1, container["name"]
+    assert ("data", "/data") in [(m["name"], m["mountPath"]) for m in result["spec"]["containers"][0]["volumeMounts"]]
+
+
+def test_a_memory_dev_shm_without_a_limit_leaves_the_sidecars_volume_without_one() -> None:
+    result = injected(shm_pod({"emptyDir": {"medium": "Memory"}}, {"name": "dshm", "mountPath": "/dev/shm"}))
+    (shm,) = [v for v in result["spec"]["volumes"] if v["name"] == "stowaway-shm"]
+    assert shm["emptyDir"] == {"medium": "Memory"}
+
+
+@pytest.mark.parametrize(("volume", "mount"), [
+    ({"hostPath": {"path": "/dev/shm"}}, {"name": "dshm", "mountPath": "/dev/shm"}),
+    ({"emptyDir": {}}, {"name": "dshm", "mountPath": "/dev/shm"}),
+    ({"emptyDir": {"medium": "Memory"}}, {"name": "dshm", "mountPath": "/scratch"}),
+    ({"emptyDir": {"medium": "Memory"}}, {"name": "dshm", "mountPath": "/dev/shm", "subPath": "a"}),
+], ids=["hostPath", "disk emptyDir", "also mounted elsewhere", "subPath"])
+def test_anything_else_at_dev_shm_is_refused_with_the_container_named(volume: dict[str, Any],
+                                                                     mount: dict[str, Any]) -> None:
+    pod = shm_pod(volume, mount)
+    with pytest.raises(injection.InjectionError, match="'fetch' already mounts /dev/shm") as caught:
         injection.build_patch(pod, "default", policy_spec(), IMAGE)
+    assert "a memory emptyDir mounted only at /dev/shm, without subPath, is taken over" in str(caught.value)
 
 
 def test_a_user_volume_with_a_reserved_name_is_refused() -> None:

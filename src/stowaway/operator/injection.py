@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from kubernetes.utils.quantity import parse_quantity
+
 INJECT_LABEL = "stowaway.dev/inject"
 INJECT_ENABLED = "enabled"
 POLICY_ANNOTATION = "stowaway.dev/policy"
@@ -161,6 +163,7 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
     if already_injected(pod):
         _refuse_claim_mounts(pod_spec, claim)
         return {}
+    pod_spec, shm_limit = _adopt_own_shm(pod_spec, str(spec["sharedMemory"]["sizeLimit"]))
     _refuse_conflicts(pod_spec, claim)
     job = job_name(pod)
     client_env = [
@@ -178,7 +181,8 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
         containers.append(sidecar)
     patch: dict[str, Any] = {
         "metadata": {"annotations": {MARKER_ANNOTATION: policy}},
-        "spec": {"containers": containers, "volumes": [*(pod_spec.get("volumes") or []), *_volumes(spec)]},
+        "spec": {"containers": containers,
+                 "volumes": [*(pod_spec.get("volumes") or []), *_volumes(spec, shm_limit)]},
     }
     if init_containers:
         patch["spec"]["initContainers"] = init_containers
@@ -232,7 +236,8 @@ def _refuse_conflicts(pod_spec: Mapping[str, Any], claim: str) -> None:
             if mount.get("mountPath", "").rstrip("/") in (SHM_PATH, SOCKET_DIR):
                 raise InjectionError(
                     f"container {container.get('name')!r} already mounts {mount['mountPath']} (volume "
-                    f"{mount.get('name')!r}); remove that mount: Stowaway provides it, sized by the CheckpointPolicy"
+                    f"{mount.get('name')!r}); remove that mount: Stowaway provides it, sized by the CheckpointPolicy "
+                    "(a memory emptyDir mounted only at /dev/shm, without subPath, is taken over and its size added)"
                 )
 
 
@@ -273,10 +278,42 @@ def _with_client_mounts(container: Mapping[str, Any], client_env: list[dict[str,
     return result
 
 
-def _volumes(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _adopt_own_shm(pod_spec: Mapping[str, Any], slots_limit: str) -> tuple[Mapping[str, Any], str | None]:
+    """The pod without its own memory ``/dev/shm``, and the size limit of the sidecar's (None: unlimited).
+
+    PyTorch pods commonly mount a memory emptyDir at /dev/shm, so that
+    DataLoader workers and NCCL get more than the runtime's 64 MiB. The
+    sidecar's volume takes its place, sized for the slots plus that volume's
+    own limit (unlimited if it had none), rather than every such pod being
+    refused until edited. Anything else at /dev/shm is left to
+    ``_refuse_conflicts``.
+    """
+    containers = [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]
+    mounts = [m for c in containers for m in c.get("volumeMounts") or []]
+    at_shm = {m.get("name") for m in mounts if m.get("mountPath", "").rstrip("/") == SHM_PATH}
+    if len(at_shm) != 1:
+        return pod_spec, slots_limit
+    (name,) = at_shm
+    volume = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == name), {})
+    empty_dir = volume.get("emptyDir")
+    only_at_shm = all(m.get("mountPath", "").rstrip("/") == SHM_PATH and not m.get("subPath")
+                      for m in mounts if m.get("name") == name)
+    if name in OUR_VOLUMES or empty_dir is None or empty_dir.get("medium") != "Memory" or not only_at_shm:
+        return pod_spec, slots_limit
+    adopted = copy.deepcopy(dict(pod_spec))
+    adopted["volumes"] = [v for v in adopted["volumes"] if v.get("name") != name]
+    for key in ("initContainers", "containers"):
+        for container in adopted.get(key) or []:
+            container["volumeMounts"] = [m for m in container.get("volumeMounts") or [] if m.get("name") != name]
+    own = empty_dir.get("sizeLimit")
+    return adopted, None if own is None else str(int(parse_quantity(slots_limit) + parse_quantity(str(own))))
+
+
+def _volumes(spec: Mapping[str, Any], shm_limit: str | None) -> list[dict[str, Any]]:
     claim = spec["storage"]["persistentVolumeClaim"]
+    shm: dict[str, Any] = {"medium": "Memory"} if shm_limit is None else {"medium": "Memory", "sizeLimit": shm_limit}
     return [
-        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(spec["sharedMemory"]["sizeLimit"])}},
+        {"name": SHM_VOLUME, "emptyDir": shm},
         {"name": SOCKET_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
         {"name": STORAGE_VOLUME, "persistentVolumeClaim": {"claimName": claim["claimName"]}},
     ]
