@@ -107,6 +107,15 @@ class _Flattener:
             )
         if tensor.dtype not in _STORABLE_DTYPES:
             raise UnsupportedState(f"tensor at {_show(path)} has dtype {tensor.dtype}, which Stowaway cannot store")
+        if tensor.numel() and tensor.data_ptr() == 0:
+            # Copying from one fails deep inside torch ("got mixed torch.Tensor and DTensor"), after the slot is taken.
+            raise UnsupportedState(
+                f"tensor at {_show(path)} is a {type(tensor).__module__}.{type(tensor).__qualname__} on "
+                f"{tensor.device} with no data of its own: a meta tensor, or a subclass that wraps other tensors, "
+                "as FSDP2's and tensor parallelism's DTensor does. Store plain tensors: for a DTensor, its shard "
+                "on this rank (dtensor.to_local(), rebuilt after load() with DTensor.from_local) or the whole "
+                "tensor (dtensor.full_tensor())"
+            )
         # data_ptr() already includes the storage offset; with shape, strides and dtype it tells
         # tied tensors (one object, or two views of the same elements) from distinct ones.
         identity = (tensor.data_ptr(), tensor.device, tensor.dtype, tensor.shape, tensor.stride())
