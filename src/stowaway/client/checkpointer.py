@@ -97,7 +97,10 @@ class Checkpointer:
             "local_rank": self.local_rank, "world_size": self.world_size,
             "local_world_size": self.local_world_size, "node": _node_name(), "pid": os.getpid(),
         }
-        messages.validate_hello(hello)
+        try:
+            messages.validate_hello(hello)
+        except messages.MessageError as exc:
+            raise ConfigurationError(str(exc)) from None
         self._connection = Connection(self.socket_path, hello, self._connected_cb, self._message_cb, self._lost_cb,
                                       self._refused_cb)
         self._connection.start()
