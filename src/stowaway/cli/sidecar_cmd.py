@@ -39,7 +39,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="write and read checkpoint files through the page cache, even where the filesystem "
                         "supports O_DIRECT (the default uses it there)")
     parser.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
-                        help="also accept ranks running as this uid (the sidecar's uid and root always are)")
+                        help="also accept ranks running as this uid (the sidecar's uid, root and members of the "
+                        "socket's group always are)")
     parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                         help="serve /metrics (Prometheus), /healthz and /readyz over HTTP on this port (0: off)")
     parser.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDRESS",
