@@ -107,7 +107,7 @@ class _Flattener:
             )
         if tensor.dtype not in _STORABLE_DTYPES:
             raise UnsupportedState(f"tensor at {_show(path)} has dtype {tensor.dtype}, which Stowaway cannot store")
-        if tensor.numel() and tensor.data_ptr() == 0:
+        if not _has_own_data(tensor):
             # Copying from one fails deep inside torch ("got mixed torch.Tensor and DTensor"), after the slot is taken.
             raise UnsupportedState(
                 f"tensor at {_show(path)} is a {type(tensor).__module__}.{type(tensor).__qualname__} on "
@@ -221,6 +221,14 @@ class _Unflattener:
                 "only if you trust whoever wrote it"
             )
         return pickle.loads(self.tensors[name].cpu().numpy().tobytes())
+
+
+def _has_own_data(tensor: torch.Tensor) -> bool:
+    try:
+        return not tensor.numel() or tensor.data_ptr() != 0
+    except RuntimeError:
+        # Some tensor subclasses refuse to give a data pointer at all.
+        return False
 
 
 def _scalar_node(value: Any) -> dict[str, Any]:
