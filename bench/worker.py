@@ -171,9 +171,22 @@ def measure_torch_save(run: Run, training: dict[str, Any]) -> None:
 
 
 def measure_dcp(run: Run, training: dict[str, Any]) -> None:
+    """DCP's save, async_save and load of every rank's whole state.
+
+    DCP writes a plain tensor that several ranks hold under one name once, as
+    replicated: given the same names on every rank, it wrote one rank's share
+    of the bytes and loaded that share into every rank. Each rank's state is
+    its own shard here, so it goes under a name of its own, as a sharded
+    state's shards are written: all of them are, which each save checks.
+    """
+    total = torch.tensor([state.nbytes_of(training)], dtype=torch.float64)
+    dist.all_reduce(total)
+    nbytes = int(total.item())
+    training = {f"rank{run.rank}": training}
     for rep in range(run.reps):
         directory = run.scratch / f"dcp-{rep}"
         run.timed("dcp.save", lambda directory=directory: dcp.save(training, checkpoint_id=directory))
+        _check_holds(run, directory, nbytes)
         _remove(run, directory)
     for rep in range(run.reps):
         directory = run.scratch / f"dcp-async-{rep}"
@@ -183,6 +196,7 @@ def measure_dcp(run: Run, training: dict[str, Any]) -> None:
         run.record("dcp.async_save", time.perf_counter() - started)
         future.result()
         run.record("dcp.async_save_done", time.perf_counter() - started)
+        _check_holds(run, directory, nbytes)
         if rep < run.reps - 1:
             _remove(run, directory)
     for _ in range(run.reps):
@@ -201,6 +215,14 @@ def _sync_and_drop(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def _check_holds(run: Run, directory: Path, nbytes: int) -> None:
+    """Fail the run if a peer's checkpoint is smaller than the state: it would be compared on fewer bytes."""
+    dist.barrier()
+    if run.rank == 0:
+        written = sum(path.stat().st_size for path in directory.iterdir())
+        assert written >= nbytes, f"{directory} holds {written} bytes of a {nbytes}-byte state"
 
 
 def _remove(run: Run, directory: Path) -> None:
