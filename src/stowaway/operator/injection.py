@@ -91,9 +91,7 @@ def already_injected(pod: Mapping[str, Any]) -> bool:
     one carries it too. Neither the container nor the marker alone counts (see
     :func:`refuse_forgeries`), so after that check this means both are there.
     """
-    spec = pod.get("spec", {})
-    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
-    return any(c.get("name") == SIDECAR_NAME for c in containers)
+    return any(c.get("name") == SIDECAR_NAME for c in _all_containers(pod.get("spec", {})))
 
 
 def injected_with(pod: Mapping[str, Any]) -> str | None:
@@ -225,7 +223,7 @@ def _refuse_conflicts(pod_spec: Mapping[str, Any], claim: str) -> None:
             "rename them"
         )
     _refuse_claim_mounts(pod_spec, claim)
-    for container in [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]:
+    for container in _all_containers(pod_spec):
         for mount in container.get("volumeMounts") or []:
             if mount.get("name") in OUR_VOLUMES:
                 raise InjectionError(
@@ -233,7 +231,7 @@ def _refuse_conflicts(pod_spec: Mapping[str, Any], claim: str) -> None:
                     "the Stowaway sidecar's volumes (after injection it would be the sidecar's storage or "
                     "memory); remove that mount"
                 )
-            if mount.get("mountPath", "").rstrip("/") in (SHM_PATH, SOCKET_DIR):
+            if _mount_path(mount) in (SHM_PATH, SOCKET_DIR):
                 raise InjectionError(
                     f"container {container.get('name')!r} already mounts {mount['mountPath']} (volume "
                     f"{mount.get('name')!r}); remove that mount: Stowaway provides it, sized by the CheckpointPolicy "
@@ -253,7 +251,7 @@ def _refuse_claim_mounts(pod_spec: Mapping[str, Any], claim: str) -> None:
         v.get("name") for v in pod_spec.get("volumes") or []
         if (v.get("persistentVolumeClaim") or {}).get("claimName") == claim
     }
-    for container in [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]:
+    for container in _all_containers(pod_spec):
         if container.get("name") == SIDECAR_NAME:
             continue
         for mount in container.get("volumeMounts") or []:
@@ -278,6 +276,15 @@ def _with_client_mounts(container: Mapping[str, Any], client_env: list[dict[str,
     return result
 
 
+def _all_containers(pod_spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]
+
+
+def _mount_path(mount: Mapping[str, Any]) -> str:
+    """Where a volumeMount puts its volume, written the one way ("/dev/shm/" is "/dev/shm")."""
+    return mount.get("mountPath", "").rstrip("/")
+
+
 def _adopt_own_shm(pod_spec: Mapping[str, Any], slots_limit: str) -> tuple[Mapping[str, Any], str | None]:
     """The pod without its own memory ``/dev/shm``, and the size limit of the sidecar's (None: unlimited).
 
@@ -288,15 +295,15 @@ def _adopt_own_shm(pod_spec: Mapping[str, Any], slots_limit: str) -> tuple[Mappi
     refused until edited. Anything else at /dev/shm is left to
     ``_refuse_conflicts``.
     """
-    containers = [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]
+    containers = _all_containers(pod_spec)
     mounts = [m for c in containers for m in c.get("volumeMounts") or []]
-    at_shm = {m.get("name") for m in mounts if m.get("mountPath", "").rstrip("/") == SHM_PATH}
+    at_shm = {m.get("name") for m in mounts if _mount_path(m) == SHM_PATH}
     if len(at_shm) != 1:
         return pod_spec, slots_limit
     (name,) = at_shm
     volume = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == name), {})
     empty_dir = volume.get("emptyDir")
-    only_at_shm = all(m.get("mountPath", "").rstrip("/") == SHM_PATH and not m.get("subPath")
+    only_at_shm = all(_mount_path(m) == SHM_PATH and not m.get("subPath")
                       for m in mounts if m.get("name") == name)
     if name in OUR_VOLUMES or empty_dir is None or empty_dir.get("medium") != "Memory" or not only_at_shm:
         return pod_spec, slots_limit
