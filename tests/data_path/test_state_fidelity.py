@@ -15,7 +15,6 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from stowaway import Checkpointer, UnsupportedState
@@ -176,24 +175,6 @@ def test_objects_without_a_safe_encoding_are_refused_with_their_path(start_sidec
         # Nothing was written by the refused saves: the slot still takes a good one.
         ckpt.save(1, {"w": torch.ones(4)}).wait(30)
         assert torch.equal(ckpt.load()[1]["w"], torch.ones(4))
-
-
-def test_a_dtensor_is_refused_with_what_to_store_instead(start_sidecar):
-    """FSDP2 and tensor parallelism hand out DTensors, whose bytes are spread over ranks' shards."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    sidecar = start_sidecar()
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        weight = torch.nn.Parameter(distribute_tensor(torch.arange(8.0), init_device_mesh("cpu", (1,)), [Shard(0)]))
-        with Checkpointer(job="fidelity", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt:
-            with pytest.raises(UnsupportedState, match=r"state\['model'\]\['w'\] is a torch.distributed.tensor"):
-                ckpt.save(1, {"model": {"w": weight}})
-            ckpt.save(1, {"model": {"w": weight.to_local()}}).wait(30)
-            assert torch.equal(ckpt.load()[1]["model"]["w"], torch.arange(8.0))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_pickled_objects_need_an_opt_in_on_both_sides(start_sidecar):

@@ -28,7 +28,7 @@ from stowaway.errors import (
     StowawayError,
     UnsupportedState,
 )
-from stowaway.format import codec
+from stowaway.format import codec, dtensors
 from stowaway.format.safetensors_header import HeaderError
 from stowaway.protocol import messages
 from stowaway.slots import header
@@ -159,13 +159,18 @@ class Checkpointer:
                                 f"({self._connection.last_error})")
         return handle
 
-    def load(self, step: int | None = None, map_location: Any = "cpu") -> tuple[int, Any] | None:
+    def load(self, step: int | None = None, map_location: Any = "cpu",
+             device_mesh: Any = None) -> tuple[int, Any] | None:
         """Restore the newest step every rank can restore (or ``step``); None when there is none.
 
         From shared memory when this rank's slot still holds the step intact,
         else from storage through the sidecar. A corrupt checkpoint makes all
         ranks fall back to the next older committed one, with a warning.
+        DTensors (FSDP2, tensor parallelism) are rebuilt on ``device_mesh``
+        (a ``DeviceMesh``, or a sequence of them): the mesh, or meshes, they
+        were saved on.
         """
+        meshes = dtensors.given_meshes(device_mesh)
         self._wait_until(lambda: self._connected, "a connection to the sidecar", SidecarUnavailable)
         pool = self._require_pool()
         for slot in pool.slots:
@@ -181,10 +186,10 @@ class Checkpointer:
             error, refused, state, source = None, None, None, "memory"
             try:
                 if candidate in in_memory:
-                    state = self._read_slot(pool.slots[in_memory[candidate]], candidate, map_location)
+                    state = self._read_slot(pool.slots[in_memory[candidate]], candidate, map_location, meshes)
                 else:
                     source = "storage"
-                    state = self._restore_from_storage(candidate, sizes[candidate], map_location)
+                    state = self._restore_from_storage(candidate, sizes[candidate], map_location, meshes)
             except UnsupportedState as exc:
                 refused = str(exc)
             except (StowawayError, HeaderError) as exc:
@@ -284,7 +289,7 @@ class Checkpointer:
                                          f"{message['type']}: {self._connection.last_error}")
             return self._responses.pop(answer)
 
-    def _restore_from_storage(self, step: int, nbytes: int, map_location: Any) -> Any:
+    def _restore_from_storage(self, step: int, nbytes: int, map_location: Any, meshes: tuple[Any, ...]) -> Any:
         slot = self._take_slot(step)
         self._require_pool().ensure_capacity(slot, nbytes)
         self._register(slot)
@@ -294,16 +299,16 @@ class Checkpointer:
         if answer["type"] == "failed":
             raise SaveFailed(answer["reason"])
         slot.generation = max(slot.generation, answer["generation"])
-        return self._read_slot(slot, step, map_location)
+        return self._read_slot(slot, step, map_location, meshes)
 
-    def _read_slot(self, slot: ClientSlot, step: int, map_location: Any) -> Any:
+    def _read_slot(self, slot: ClientSlot, step: int, map_location: Any, meshes: tuple[Any, ...]) -> Any:
         assert slot.file is not None
         slot.file.refresh()
         slot.drop_view()
         before = slot.file.read_header()
         if not before.complete or before.step != step:
             raise SaveFailed(f"slot {slot.index} no longer holds step {step}")
-        state = codec.read_from(slot.payload(), before.payload_nbytes, map_location, self.allow_pickle)
+        state = codec.read_from(slot.payload(), before.payload_nbytes, map_location, self.allow_pickle, meshes)
         if slot.file.read_header().generation != before.generation:
             raise SaveFailed(f"slot {slot.index} changed while step {step} was read from it")
         return state

@@ -60,6 +60,11 @@ class Encoder:
         self._source_positions: list[int] = []
 
     def encode(self, state: Any, allow_pickle: bool = False) -> Encoded:
+        # Encoding reads tensors and never differentiates; autograd would wrap DTensor.to_local in a function.
+        with torch.no_grad():
+            return self._encode(state, allow_pickle)
+
+    def _encode(self, state: Any, allow_pickle: bool) -> Encoded:
         walked = template_mod.walk(state)
         if walked is not None and self._template is not None and self._template.fits(walked):
             escaped_tree = self._template.render(walked.scalars)
@@ -111,8 +116,9 @@ def write_into(encoded: Encoded, payload: torch.Tensor, views: list[torch.Tensor
             torch.cuda.current_stream(device).synchronize()
 
 
-def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickle: bool = False) -> Any:
-    """Rebuild the state dict from a payload, copying every tensor out of the buffer."""
+def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickle: bool = False,
+              meshes: tuple[Any, ...] = ()) -> Any:
+    """Rebuild the state dict from a payload, copying every tensor out of the buffer; DTensors go onto ``meshes``."""
     raw = memoryview(payload.numpy())
     layout, metadata = st.parse(raw, nbytes)
     try:
@@ -125,7 +131,7 @@ def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickl
     else:
         copies = [view.to(map_location, copy=True) for view in views]
     tensors = {item.spec.name: copy for item, copy in zip(layout.tensors, copies, strict=True)}
-    return tree_mod.unflatten(tree, tensors, allow_pickle)
+    return tree_mod.unflatten(tree, tensors, allow_pickle, meshes)
 
 
 def _views(payload: torch.Tensor, layout: st.Layout, items: list[st.Placed]) -> list[torch.Tensor]:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stowaway.format import dtensors
 from stowaway.format import tree as tree_mod
 
 _TENSOR = 0
@@ -79,6 +80,10 @@ def _walk(value: Any, token: Any, tensor: Any, scalar: Any) -> None:
         tensor(tree_mod.numpy_as_tensor(value))
     elif kind is torch.Size or isinstance(value, torch.dtype):
         token((kind, value))
+    elif kind is dtensors.dtensor_type():
+        local, facts = dtensors.split(value)
+        token((kind, facts))
+        tensor(local)
     else:
         raise _Unknown
 

@@ -3,11 +3,13 @@
 The walk carries a path of keys and indices (never a parsed string), records
 every container's exact type (dict, OrderedDict with its ``_metadata``, list,
 tuple, torch.Size) and every non-tensor leaf, and names each distinct tensor
-once, so tied tensors are stored once and come back as one object.
+once, so tied tensors are stored once and come back as one object. A
+DTensor is stored as this rank's shard (``format.dtensors``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 from collections import OrderedDict
@@ -18,8 +20,11 @@ import numpy as np
 import torch
 
 from stowaway.errors import UnsupportedState
+from stowaway.format import dtensors
 
 TREE_VERSION = 1
+# A tree holding DTensors: a reader that does not know them says to upgrade instead of failing on a node.
+DTENSOR_TREE_VERSION = 2
 Path = tuple[str | int, ...]
 
 _STORABLE_DTYPES = {
@@ -46,6 +51,7 @@ class _Flattener:
         self.occurrences: list[str] = []
         self.scalar_nodes: list[dict[str, Any]] = []
         self._names_by_identity: dict[tuple[Any, ...], str] = {}
+        self.meshes = dtensors.MeshTable()
 
     def node(self, value: Any, path: Path) -> Any:
         # Exact-type checks first: a training state is mostly dicts, tensors and ints, and save()
@@ -58,6 +64,10 @@ class _Flattener:
         if kind is int or kind is str or kind is bool or kind is float or value is None:
             return self._scalar(value)
         if isinstance(value, torch.Tensor):
+            dtensor = dtensors.dtensor_type()
+            if dtensor is not None and isinstance(value, dtensor):
+                local, facts = dtensors.split(value)
+                return dtensors.encode(facts, self._tensor(local, path), _show(path), self.meshes)
             return self._tensor(value, path)
         if isinstance(value, np.ndarray):
             stored = self._tensor(numpy_as_tensor(value, path), path)["T"]
@@ -111,10 +121,8 @@ class _Flattener:
             # Copying from one fails deep inside torch ("got mixed torch.Tensor and DTensor"), after the slot is taken.
             raise UnsupportedState(
                 f"tensor at {_show(path)} is a {type(tensor).__module__}.{type(tensor).__qualname__} on "
-                f"{tensor.device} with no data of its own: a meta tensor, or a subclass that wraps other tensors, "
-                "as FSDP2's and tensor parallelism's DTensor does. Store plain tensors: for a DTensor, its shard "
-                "on this rank (dtensor.to_local(), rebuilt after load() with DTensor.from_local) or the whole "
-                "tensor (dtensor.full_tensor())"
+                f"{tensor.device} with no data of its own: a meta tensor, or a subclass that wraps other tensors. "
+                "Store plain tensors or DTensors (for a wrapper, the tensors it wraps)"
             )
         # data_ptr() already includes the storage offset; with shape, strides and dtype it tells
         # tied tensors (one object, or two views of the same elements) from distinct ones.
@@ -146,30 +154,39 @@ class _Flattener:
 
 def flatten(state: Any, allow_pickle: bool = False) -> Flat:
     flattener = _Flattener(allow_pickle)
-    tree = flattener.node(state, ())
-    return Flat({"version": TREE_VERSION, "root": tree}, flattener.tensors, flattener.occurrences,
-                flattener.scalar_nodes)
+    root = flattener.node(state, ())
+    tree: dict[str, Any] = {"version": TREE_VERSION, "root": root}
+    if flattener.meshes.encoded:
+        tree = {"version": DTENSOR_TREE_VERSION, "root": root, "meshes": flattener.meshes.encoded}
+    return Flat(tree, flattener.tensors, flattener.occurrences, flattener.scalar_nodes)
 
 
-def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor], allow_pickle: bool = False) -> Any:
-    if tree.get("version") != TREE_VERSION:
+def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor], allow_pickle: bool = False,
+              meshes: tuple[Any, ...] = ()) -> Any:
+    """The state ``flatten`` was given; its DTensors are rebuilt on ``meshes`` (see ``format.dtensors``)."""
+    if tree.get("version") not in (TREE_VERSION, DTENSOR_TREE_VERSION):
         raise UnsupportedState(
             f"state tree version {tree.get('version')} is not readable by this release "
-            f"(reads {TREE_VERSION}); upgrade Stowaway"
+            f"(reads {TREE_VERSION} and {DTENSOR_TREE_VERSION}); upgrade Stowaway"
         )
-    return _Unflattener(tensors, allow_pickle).node(tree["root"])
+    rebuilder = dtensors.Rebuilder(tree.get("meshes", []), meshes)
+    return _Unflattener(tensors, allow_pickle, rebuilder).node(tree["root"])
 
 
 class _Unflattener:
-    def __init__(self, tensors: dict[str, torch.Tensor], allow_pickle: bool) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], allow_pickle: bool, rebuilder: dtensors.Rebuilder) -> None:
         self.tensors = tensors
         self.allow_pickle = allow_pickle
+        self.rebuilder = rebuilder
         self._parameters: dict[str, torch.nn.Parameter] = {}
         self._arrays: dict[str, np.ndarray] = {}
+        self._dtensors: dict[str, Any] = {}
 
     def node(self, encoded: dict[str, Any]) -> Any:
         if "T" in encoded:
             return self._tensor(encoded)
+        if "D" in encoded:
+            return self._dtensor(encoded)
         if "v" in encoded:
             return encoded["v"]
         if "f" in encoded:
@@ -197,6 +214,13 @@ class _Unflattener:
         if encoded["T"] not in self._parameters:
             self._parameters[encoded["T"]] = torch.nn.Parameter(tensor, requires_grad=bool(encoded["P"]))
         return self._parameters[encoded["T"]]
+
+    def _dtensor(self, encoded: dict[str, Any]) -> Any:
+        # One DTensor object per stored one, as tied plain tensors come back as one object.
+        key = json.dumps(encoded, sort_keys=True)
+        if key not in self._dtensors:
+            self._dtensors[key] = self.rebuilder.rebuild(encoded, self.tensors[encoded["D"]["T"]])
+        return self._dtensors[key]
 
     def _array(self, encoded: dict[str, Any]) -> np.ndarray:
         name = encoded["N"]

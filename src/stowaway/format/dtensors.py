@@ -1,0 +1,192 @@
+"""DTensors (FSDP2, tensor parallelism): each rank stores its own shard, and ``load`` rebuilds the DTensor.
+
+A DTensor's bytes are spread over the ranks of its device mesh, and every rank
+writes a file of its own anyway: so a rank stores its local shard as a plain
+tensor, with what ``DTensor.from_local`` needs to rebuild it without talking
+to any other rank: the placements, the global shape and stride, and the mesh
+as the layout of its ranks (once per mesh, in the tree). A mesh carries
+process groups, which no checkpoint can hold, so ``load`` takes the caller's
+mesh and checks that its layout is the saved one. Loading onto another layout
+(resharding) is refused: each rank's file holds only its own shard.
+
+``torch.distributed.tensor`` is looked up in ``sys.modules``, never imported
+on a save: a process that has not imported it holds no DTensor, and a rank
+that does not use it should not pay for importing it.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import torch
+
+from stowaway.errors import UnsupportedState
+
+
+def dtensor_type() -> type | None:
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _mesh_type() -> type | None:
+    module = sys.modules.get("torch.distributed.device_mesh")
+    return getattr(module, "DeviceMesh", None)
+
+
+def given_meshes(device_mesh: Any) -> tuple[Any, ...]:
+    """``load``'s ``device_mesh`` argument as a tuple: None, one mesh, or a list or tuple of them (one per mesh
+    the state's DTensors live on, e.g. a model's and its experts')."""
+    if device_mesh is None:
+        return ()
+    mesh_type = _mesh_type()
+    if mesh_type is not None and isinstance(device_mesh, mesh_type):
+        return (device_mesh,)
+    meshes = tuple(device_mesh) if isinstance(device_mesh, list | tuple) else ()
+    if not meshes or mesh_type is None or not all(isinstance(mesh, mesh_type) for mesh in meshes):
+        raise TypeError(
+            "device_mesh must be a torch.distributed.device_mesh.DeviceMesh or a non-empty list or tuple of them "
+            f"(the meshes the checkpoint's DTensors were saved on), got {device_mesh!r}"
+        )
+    return meshes
+
+
+class MeshTable:
+    """The meshes a save's DTensors live on, each stored once and referenced by index."""
+
+    def __init__(self) -> None:
+        self.encoded: list[dict[str, Any]] = []
+        self._by_object: dict[int, tuple[Any, int]] = {}
+
+    def index(self, mesh: Any) -> int:
+        known = self._by_object.get(id(mesh))
+        if known is not None:
+            return known[1]
+        description = _describe(mesh)
+        if description not in self.encoded:
+            self.encoded.append(description)
+        index = self.encoded.index(description)
+        # The mesh is kept alive with its index, so its id cannot be reused by another mesh meanwhile.
+        self._by_object[id(mesh)] = (mesh, index)
+        return index
+
+
+def split(value: Any) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """A DTensor's local shard, and everything else its tree node holds (what ``format.template`` compares).
+
+    Called with autograd off (``Encoder.encode``): ``to_local`` is then an
+    attribute read instead of an autograd function of 8 µs.
+    """
+    is_parameter = isinstance(value, torch.nn.Parameter)
+    facts = (value.placements, value.shape, value.stride(), value.device_mesh, is_parameter,
+             is_parameter and value.requires_grad)
+    return value.to_local(), facts
+
+
+def encode(facts: tuple[Any, ...], local_node: dict[str, Any], shown_path: str, meshes: MeshTable) -> dict[str, Any]:
+    """The tree node of a DTensor: its local shard's node and how to rebuild the DTensor from it."""
+    placements, shape, stride, mesh, is_parameter, requires_grad = facts
+    node: dict[str, Any] = {
+        "D": local_node,
+        "pl": [_encode_placement(placement, shown_path) for placement in placements],
+        "sh": list(shape),
+        "st": list(stride),
+        "m": meshes.index(mesh),
+    }
+    if is_parameter:
+        node["P"] = int(requires_grad)
+    return node
+
+
+class Rebuilder:
+    """Rebuilds a load's DTensors on the caller's meshes, each mesh matched to a saved one once."""
+
+    def __init__(self, saved_meshes: list[dict[str, Any]], given: tuple[Any, ...]) -> None:
+        self._saved = saved_meshes
+        self._given = given
+        self._matched: dict[int, Any] = {}
+
+    def rebuild(self, node: dict[str, Any], local: torch.Tensor) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        dtensor = DTensor.from_local(
+            local, self._mesh(node["m"], node["D"]["T"]), [_decode_placement(item) for item in node["pl"]],
+            run_check=False, shape=torch.Size(node["sh"]), stride=tuple(node["st"]),
+        )
+        if "P" in node:
+            return torch.nn.Parameter(dtensor, requires_grad=bool(node["P"]))
+        return dtensor
+
+    def _mesh(self, index: int, name: str) -> Any:
+        mesh = self._matched.get(index)
+        if mesh is not None:
+            return mesh
+        saved = self._saved[index]
+        same_layout = [mesh for mesh in self._given if mesh.mesh.tolist() == saved["ranks"]]
+        same_names = [mesh for mesh in same_layout if _names(mesh) == saved["names"]]
+        if not same_layout:
+            raise UnsupportedState(self._no_match(saved, name))
+        mesh = self._matched[index] = (same_names or same_layout)[0]
+        return mesh
+
+    def _no_match(self, saved: dict[str, Any], name: str) -> str:
+        where = f"a {saved['device']} device mesh over ranks {saved['ranks']}" + (
+            f" named {tuple(saved['names'])}" if saved["names"] else ""
+        )
+        if not self._given:
+            return (
+                f"the checkpoint holds DTensors (the first stored as {name!r}) saved on {where}: pass "
+                "load(device_mesh=...) the mesh they were saved on (for FSDP2, the mesh given to fully_shard)"
+            )
+        passed = ", ".join(str(mesh.mesh.tolist()) for mesh in self._given)
+        return (
+            f"the DTensor stored as {name!r} was saved on {where}, and no mesh passed to load() has that layout "
+            f"(passed: {passed}). Each rank's file holds only its own shard, so a checkpoint loads only onto the "
+            "layout it was saved on; save full tensors (full_tensor()) to load onto another one"
+        )
+
+
+@functools.cache
+def _placement_kinds() -> Any:
+    from torch.distributed.tensor import placement_types
+
+    return placement_types
+
+
+def _describe(mesh: Any) -> dict[str, Any]:
+    return {"ranks": mesh.mesh.tolist(), "names": _names(mesh), "device": mesh.device_type}
+
+
+def _names(mesh: Any) -> list[str] | None:
+    return list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+
+
+def _encode_placement(placement: Any, shown_path: str) -> dict[str, Any]:
+    kinds = _placement_kinds()
+    kind = type(placement)
+    if kind is kinds.Shard:
+        return {"s": placement.dim}
+    if kind is kinds._StridedShard:
+        return {"s": placement.dim, "sf": placement.split_factor}
+    if kind is kinds.Replicate:
+        return {"r": 1}
+    if kind is kinds.Partial:
+        return {"p": placement.reduce_op}
+    raise UnsupportedState(
+        f"DTensor at {shown_path} has placement {placement!r}, which Stowaway cannot store: it stores Shard, "
+        "Replicate and Partial; redistribute it to one of those, or store its full_tensor()"
+    )
+
+
+def _decode_placement(encoded: dict[str, Any]) -> Any:
+    kinds = _placement_kinds()
+    if "sf" in encoded:
+        return kinds._StridedShard(encoded["s"], split_factor=encoded["sf"])
+    if "s" in encoded:
+        return kinds.Shard(encoded["s"])
+    if "r" in encoded:
+        return kinds.Replicate()
+    if "p" in encoded:
+        return kinds.Partial(encoded["p"])
+    raise UnsupportedState(f"state tree holds an unknown DTensor placement {sorted(encoded)}")

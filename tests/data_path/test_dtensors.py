@@ -1,0 +1,187 @@
+"""DTensors (FSDP2, tensor parallelism) come back from load() as saved: the same shard, placements and shape.
+
+Each rank stores only its own shard; ``load(device_mesh=...)`` rebuilds the
+DTensors on the caller's mesh. Checked through both restore paths with a
+one-rank group, whose meshes can still have any number of dimensions, and
+through a real FSDP2 job under torchrun that is stopped and resumed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from stowaway import Checkpointer, UnsupportedState
+from stowaway.format import codec, template
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def meshes() -> Iterator[tuple[object, object]]:
+    """A one-rank gloo group, with a 1-D mesh (as FSDP2 uses) and a 2-D one (as FSDP2 with TP uses)."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield (init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",)),
+               init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_state(fsdp: object, grid: object) -> dict:
+    weight = nn.Parameter(distribute_tensor(torch.arange(12.0).reshape(3, 4), fsdp, [Shard(0)]))
+    return {
+        "model": {
+            "w": weight,
+            "frozen": nn.Parameter(distribute_tensor(torch.ones(5, dtype=torch.bfloat16), fsdp, [Replicate()]),
+                                   requires_grad=False),
+            "tp": distribute_tensor(torch.randn(4, 6), grid, [Shard(0), Shard(1)]),
+            "strided": DTensor.from_local(torch.arange(6.0).reshape(2, 3), grid,
+                                          [_StridedShard(0, split_factor=2), Shard(1)], run_check=False),
+        },
+        "optim": {"exp_avg": DTensor.from_local(torch.full((2,), 3.0), fsdp, [Partial("avg")]), "tied": weight,
+                  "step": torch.tensor(7.0)},
+        "epoch": 3,
+    }
+
+
+def assert_same_dtensors(restored: dict, original: dict, meshes: tuple[object, ...]) -> None:
+    for group in ("model", "optim"):
+        assert list(restored[group]) == list(original[group])
+        for key, saved in original[group].items():
+            got = restored[group][key]
+            assert type(got) is type(saved), f"{group}.{key}: {type(got)}"
+            if not isinstance(saved, DTensor):
+                assert torch.equal(got, saved)
+                continue
+            assert got.placements == saved.placements, f"{group}.{key}"
+            assert (got.shape, got.stride(), got.dtype) == (saved.shape, saved.stride(), saved.dtype)
+            assert got.device_mesh is saved.device_mesh and got.device_mesh in meshes
+            assert torch.equal(got.to_local(), saved.to_local())
+            assert isinstance(got, nn.Parameter) == isinstance(saved, nn.Parameter), f"{group}.{key}"
+            assert got.requires_grad == saved.requires_grad, f"{group}.{key}"
+    assert restored["optim"]["tied"] is restored["model"]["w"], "one DTensor saved twice comes back as one"
+    assert restored["epoch"] == original["epoch"]
+
+
+def test_dtensors_come_back_on_their_meshes_from_memory_and_from_storage(start_sidecar, meshes, caplog):
+    caplog.set_level("INFO", logger="stowaway")
+    original = sharded_state(*meshes)
+    first = start_sidecar("first")
+    with Checkpointer(job="dt", socket=first.socket, rank=0, world_size=1, timeout=30) as ckpt:
+        ckpt.save(1, original).wait(30)
+        step, restored = ckpt.load(device_mesh=meshes)
+    assert step == 1 and "restored step 1 from memory" in caplog.text
+    assert_same_dtensors(restored, original, meshes)
+
+    assert first.stop() == 0
+    shutil.rmtree(first.shm_dir)
+    second = start_sidecar("second")
+    with Checkpointer(job="dt", socket=second.socket, rank=0, world_size=1, timeout=30) as ckpt:
+        step, restored = ckpt.load(device_mesh=list(reversed(meshes)))
+    assert step == 1 and "restored step 1 from storage" in caplog.text
+    assert_same_dtensors(restored, original, meshes)
+
+
+def test_a_load_without_the_saved_mesh_is_refused_and_says_which_mesh_to_pass(start_sidecar, meshes):
+    fsdp, grid = meshes
+    sidecar = start_sidecar()
+    with Checkpointer(job="dt", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt:
+        ckpt.save(1, sharded_state(fsdp, grid)).wait(30)
+        with pytest.raises(UnsupportedState, match=r"holds DTensors .* over ranks \[0\] named \('fsdp',\): pass "
+                                                   r"load\(device_mesh=\.\.\.\)"):
+            ckpt.load()
+        with pytest.raises(UnsupportedState, match=r"over ranks \[\[0\]\] named \('dp', 'tp'\), and no mesh passed "
+                                                   r"to load\(\) has that layout \(passed: \[0\]\)"):
+            ckpt.load(device_mesh=fsdp)
+        with pytest.raises(TypeError, match=r"device_mesh must be a .*DeviceMesh"):
+            ckpt.load(device_mesh="fsdp")
+        # The refusals changed nothing: the step still loads with the right meshes.
+        assert ckpt.load(device_mesh=meshes)[0] == 1
+
+
+def test_each_save_of_a_sharded_training_loop_is_encoded_from_the_template_and_restores_its_values(
+        start_sidecar, meshes):
+    """Saves after the first reuse the tree of the first (``format.template``); a DTensor must not defeat that."""
+    state = sharded_state(*meshes)
+    encoder = codec.Encoder()
+    encoder.encode(state)
+    state["epoch"] = 4
+    walked = template.walk(state)
+    assert walked is not None and encoder._template is not None and encoder._template.fits(walked)
+    assert encoder.encode(state).layout.header == codec.Encoder().encode(state).layout.header
+
+    sidecar = start_sidecar()
+    with Checkpointer(job="loop", socket=sidecar.socket, rank=0, world_size=1, slots=1, timeout=30) as ckpt:
+        for step in range(2, 5):
+            state["epoch"] = step
+            with torch.no_grad():
+                state["model"]["w"].add_(1)
+            ckpt.save(step, state).wait(30)
+            restored = ckpt.load(step, device_mesh=meshes)[1]
+            assert restored["epoch"] == step
+            assert torch.equal(restored["model"]["w"].to_local(), torch.arange(12.0).reshape(3, 4) + step - 1)
+
+
+def test_a_placement_stowaway_cannot_rebuild_is_refused_with_its_path(start_sidecar, meshes):
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    fsdp, _ = meshes
+    sidecar = start_sidecar()
+    masked = DTensor.from_local(torch.ones(2), fsdp, [_MaskPartial()], run_check=False)
+    with Checkpointer(job="dt", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt:
+        with pytest.raises(UnsupportedState, match=r"DTensor at state\['emb'\] has placement .*full_tensor"):
+            ckpt.save(1, {"emb": masked})
+        ckpt.save(1, {"emb": masked.full_tensor()}).wait(30)
+
+
+def fsdp2_job(storage: Path, steps: int) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "stowaway", "run", "--storage", str(storage), "--job", "fsdp2", "--",
+               sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "examples" / "train_fsdp2.py"), "--steps", str(steps)]
+    job = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         timeout=240)
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
+    return job
+
+
+def rank_files(storage: Path, step: int) -> list[dict]:
+    step_path = storage / "fsdp2" / f"step-{step:012d}"
+    files = []
+    for rank in range(2):
+        with safe_open(step_path / f"rank-{rank:05d}-of-00002.safetensors", "pt") as handle:
+            names = handle.keys()  # a safe_open handle is not iterable
+            files.append({"metadata": handle.metadata(), "tensors": {name: handle.get_tensor(name) for name in names}})
+    return files
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_fsdp2_job_stopped_and_resumed_ends_identical_to_an_uninterrupted_one(short_tmp):
+    fsdp2_job(short_tmp / "straight", 8)
+    first = fsdp2_job(short_tmp / "resumed", 4)
+    assert "resumed" not in first.stdout
+    second = fsdp2_job(short_tmp / "resumed", 8)
+    assert "resumed from step 3; continuing at step 4" in second.stdout
+
+    expected, actual = rank_files(short_tmp / "straight", 7), rank_files(short_tmp / "resumed", 7)
+    for rank, (want, got) in enumerate(zip(expected, actual, strict=True)):
+        assert got["metadata"] == want["metadata"], f"rank {rank}: RNG or other non-tensor state differs"
+        assert got["tensors"].keys() == want["tensors"].keys()
+        for name, tensor in want["tensors"].items():
+            assert torch.equal(got["tensors"][name], tensor), f"rank {rank}: {name} differs after the resume"
+    # Each rank stored its own shard only: the 5 x 64 output layer splits 3 + 2 over the two ranks.
+    assert [files["tensors"]["model.4.weight"].shape for files in actual] == [(3, 64), (2, 64)]
