@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from data_path.processes import wait_for
+from data_path.stored import rank_files
 from stowaway.storage import catalog
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,13 +26,7 @@ def demo(storage: Path) -> list[str]:
 
 
 def final_checkpoint(storage: Path) -> list[dict]:
-    step_path = storage / "demo" / f"step-{STEPS - 1:012d}"
-    ranks = []
-    for rank in range(2):
-        with safe_open(step_path / f"rank-{rank:05d}-of-00002.safetensors", "pt") as handle:
-            names = handle.keys()  # a safe_open handle is not iterable
-            ranks.append({"metadata": handle.metadata(), "tensors": {name: handle.get_tensor(name) for name in names}})
-    return ranks
+    return rank_files(storage / "demo" / f"step-{STEPS - 1:012d}", 2)
 
 
 @pytest.mark.slow

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from data_path.stored import rank_files
 from stowaway import Checkpointer, UnsupportedState
 from stowaway.format import codec, template
 
@@ -158,16 +158,6 @@ def fsdp2_job(storage: Path, steps: int) -> subprocess.CompletedProcess[str]:
     return job
 
 
-def rank_files(storage: Path, step: int) -> list[dict]:
-    step_path = storage / "fsdp2" / f"step-{step:012d}"
-    files = []
-    for rank in range(2):
-        with safe_open(step_path / f"rank-{rank:05d}-of-00002.safetensors", "pt") as handle:
-            names = handle.keys()  # a safe_open handle is not iterable
-            files.append({"metadata": handle.metadata(), "tensors": {name: handle.get_tensor(name) for name in names}})
-    return files
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_an_fsdp2_job_stopped_and_resumed_ends_identical_to_an_uninterrupted_one(short_tmp):
@@ -177,7 +167,7 @@ def test_an_fsdp2_job_stopped_and_resumed_ends_identical_to_an_uninterrupted_one
     second = fsdp2_job(short_tmp / "resumed", 8)
     assert "resumed from step 3; continuing at step 4" in second.stdout
 
-    expected, actual = rank_files(short_tmp / "straight", 7), rank_files(short_tmp / "resumed", 7)
+    expected, actual = (rank_files(short_tmp / run / "fsdp2" / f"step-{7:012d}", 2) for run in ("straight", "resumed"))
     for rank, (want, got) in enumerate(zip(expected, actual, strict=True)):
         assert got["metadata"] == want["metadata"], f"rank {rank}: RNG or other non-tensor state differs"
         assert got["tensors"].keys() == want["tensors"].keys()
