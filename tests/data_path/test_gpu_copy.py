@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from stowaway import Checkpointer
@@ -56,3 +57,27 @@ def test_restore_onto_the_device(start_sidecar):
     for name, tensor in state.items():
         assert restored[name].device.type == "cuda"
         assert torch.equal(restored[name].cpu(), tensor.cpu()), name
+
+
+def test_a_dtensor_shard_on_the_device_comes_back_on_the_device_mesh(start_sidecar):
+    """FSDP2 on GPUs: the local shard is a device tensor, copied into the pinned slot like any other."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        local = torch.randn(1000, 33, device="cuda")
+        expected = local.cpu()
+        saved = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+        sidecar = start_sidecar()
+        with Checkpointer(job="gpu", socket=sidecar.socket, rank=0, world_size=1, timeout=60) as ckpt:
+            ckpt.save(3, {"w": saved}).wait(60)
+            assert ckpt._require_pool().slots[0].payload().is_pinned(), "the slot was not registered as pinned memory"
+            step, restored = ckpt.load(map_location="cuda", device_mesh=mesh)
+        weight = restored["w"]
+        assert step == 3 and isinstance(weight, DTensor) and isinstance(weight, torch.nn.Parameter)
+        assert weight.device.type == "cuda" and weight.placements == (Shard(0),) and weight.device_mesh is mesh
+        assert torch.equal(weight.to_local().cpu(), expected)
+    finally:
+        dist.destroy_process_group()
