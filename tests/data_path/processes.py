@@ -173,3 +173,15 @@ class RankProcess:
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(timeout=DEADLINE)
+
+
+def collective(ranks: list[RankProcess], **command: Any) -> list[dict[str, Any]]:
+    """Send ``command`` to every rank before reading any answer: each blocks until all have called it."""
+    for rank in ranks:
+        rank.send(**command)
+    return [rank.read() for rank in ranks]
+
+
+def join_group(ranks: list[RankProcess], store: Path) -> None:
+    """Make the ranks one gloo process group, as a job initialises torch.distributed before ``load()``."""
+    assert collective(ranks, op="join_group", store=str(store)) == [{"joined": True}] * len(ranks)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from data_path.mounts import tmpfs
-from data_path.processes import as_user, other_uids_unavailable, wait_for
+from data_path.processes import as_user, collective, join_group, other_uids_unavailable, wait_for
 from stowaway.protocol import frames
 from stowaway.slots import header, naming
 from stowaway.storage import catalog, layout
@@ -182,17 +182,6 @@ def flip_a_bit(path):
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x10
     path.write_bytes(bytes(data))
-
-
-def join_group(ranks, store):
-    assert collective(ranks, op="join_group", store=str(store)) == [{"joined": True}] * len(ranks)
-
-
-def collective(ranks, **command):
-    """Send ``command`` to every rank before reading any answer: each blocks until all have called it."""
-    for rank in ranks:
-        rank.send(**command)
-    return [rank.read() for rank in ranks]
 
 
 def raw_connection(sidecar):

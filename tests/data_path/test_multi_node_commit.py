@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from data_path.processes import wait_for
+from data_path.processes import collective, join_group, wait_for
 from stowaway.storage import catalog, layout, manifest
 
 
-def test_the_checkpoint_commits_only_when_every_rank_on_every_node_is_durable(start_sidecar, start_rank, storage):
+def test_the_checkpoint_commits_only_when_every_rank_on_every_node_is_durable(start_sidecar, start_rank, storage,
+                                                                              short_tmp):
     node_a = start_sidecar("a")
     node_b = start_sidecar("b")
     ranks = [start_rank(node_a if rank < 2 else node_b, job="multi", rank=rank, world_size=4, local_world_size=2)
@@ -36,8 +37,11 @@ def test_the_checkpoint_commits_only_when_every_rank_on_every_node_is_durable(st
             rank.save(step)
         for rank in ranks:
             assert rank.wait(step)["committed"]
-    for rank in ranks:
-        assert rank.call(op="load") == {"step": 3, "intact": True, "numel": 1024}
+    ranks[2].send(op="load")  # without a process group, nodes cannot agree on the step
+    refused = ranks[2].read()
+    assert refused["type"] == "ConfigurationError" and "init_process_group() before load()" in refused["error"]
+    join_group(ranks, short_tmp / "group")
+    assert collective(ranks, op="load") == [{"step": 3, "intact": True, "numel": 1024}] * 4
 
 
 def test_a_node_that_never_reports_fails_the_step_with_a_commit_timeout(start_sidecar, start_rank, storage):

@@ -166,11 +166,21 @@ class Checkpointer:
         From shared memory when this rank's slot still holds the step intact,
         else from storage through the sidecar. A corrupt checkpoint makes all
         ranks fall back to the next older committed one, with a warning.
+        A job on several nodes must initialise its process group first.
         DTensors (FSDP2, tensor parallelism) are rebuilt on ``device_mesh``
         (a ``DeviceMesh``, or a sequence of them): the mesh, or meshes, they
         were saved on.
         """
         meshes = dtensors.given_meshes(device_mesh)
+        if self.world_size > self.local_world_size and not agreement.active(self.world_size):
+            # Each node's sidecar answers alone, and a commit landing between two nodes' questions (as
+            # happens on a restart, while the last incarnation's steps still commit) would split the job.
+            raise ConfigurationError(
+                f"rank {self.rank}: load() in a job spanning several nodes ({self.world_size} ranks, "
+                f"{self.local_world_size} on this node) needs a torch.distributed process group of all "
+                f"{self.world_size} ranks, through which the ranks agree on the step to restore: call "
+                "torch.distributed.init_process_group() before load()"
+            )
         self._wait_until(lambda: self._connected, "a connection to the sidecar", SidecarUnavailable)
         pool = self._require_pool()
         for slot in pool.slots:
