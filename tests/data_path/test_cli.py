@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from stowaway import Checkpointer
 
@@ -24,8 +25,6 @@ def test_every_command_has_help(command):
 
 @pytest.fixture
 def saved(start_sidecar, storage):
-    import torch
-
     sidecar = start_sidecar()
     with Checkpointer(job="cli", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt:
         for step in (10, 20):
@@ -48,6 +47,40 @@ def test_inspect_shows_tensors_dtypes_and_shapes_per_rank(saved):
     assert result.returncode == 0, result.stderr
     assert "rank 0: rank-00000-of-00001.safetensors" in result.stdout
     assert any(line.split()[:3] == ["layer.weight", "BF16", "3x4"] for line in result.stdout.splitlines())
+
+
+def test_inspect_shows_each_dtensor_shard_with_its_global_shape_placements_and_mesh(start_sidecar, storage):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    sidecar = start_sidecar()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        grid = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        local = torch.zeros(3, 4)
+        state = {"w": DTensor.from_local(local, grid, [Replicate(), Shard(1)], run_check=False, shape=(3, 8),
+                                         stride=(8, 1)), "plain": torch.ones(2)}
+        with Checkpointer(job="sharded", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt:
+            ckpt.save(1, state).wait(30)
+    finally:
+        dist.destroy_process_group()
+    result = stowaway("inspect", str(storage / "sharded"), "--step", "1")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("  ")}
+    assert rows["w"].split()[:3] == ["w", "F32", "3x4"]
+    assert rows["w"].endswith("shard of 3x8 (Replicate(), Shard(1)) on a cpu mesh (dp=1, tp=1)")
+    assert rows["plain"].split()[-2:] == ["8", "B"], "a plain tensor has no shard column"
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(saved):
+    """`stowaway inspect ... | head`: the reader closes the pipe; no traceback, the status of SIGPIPE."""
+    command = subprocess.Popen([sys.executable, "-m", "stowaway", "inspect", str(saved / "cli"), "--step", "20"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert command.stdout is not None
+    command.stdout.close()
+    _, errors = command.communicate(timeout=120)
+    assert command.returncode == 141 and errors == ""
 
 
 def test_verify_passes_an_intact_checkpoint(saved):

@@ -6,6 +6,7 @@ Errors end the command with one line that says what to do, not a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from stowaway.cli import catalog_cmds, run_cmd, sidecar_cmd
@@ -29,9 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.handler(args) or 0)
+        status = int(args.handler(args) or 0)
+        sys.stdout.flush()  # here, where a reader that went away is handled below
+        return status
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`stowaway inspect ... | head`): stop quietly, as other Unix tools do, and keep
+        # the interpreter's final flush of stdout from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (CommandError, StowawayError) as exc:
         print(f"stowaway {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from typing import TextIO
 
 from stowaway.cli.errors import CommandError
 from stowaway.format import safetensors_header as st
+from stowaway.format import shards
 from stowaway.storage import catalog, layout, manifest
 
 
@@ -111,11 +112,13 @@ def run_inspect(args: argparse.Namespace) -> int:
             length = int.from_bytes(head, "little") if len(head) == 8 else 0
             if length > st.MAX_HEADER_BYTES:
                 raise CommandError(f"{path} has a corrupt header length {length}; run `stowaway verify`")
-            parsed, _ = st.parse(head + handle.read(length), entry.bytes)
+            parsed, metadata = st.parse(head + handle.read(length), entry.bytes)
+        sharded = shards.describe(metadata)
         print(f"rank {entry.rank}: {entry.name} ({_size(entry.bytes)})")
         for item in parsed.tensors:
             shape = "x".join(str(dim) for dim in item.spec.shape) or "scalar"
-            print(f"  {item.spec.name:<48} {item.spec.dtype:<8} {shape:<20} {_size(item.spec.nbytes)}")
+            row = f"  {item.spec.name:<48} {item.spec.dtype:<8} {shape:<20} {_size(item.spec.nbytes):<10}"
+            print(f"{row} {sharded.get(item.spec.name, '')}".rstrip())
     return 0
 
 

@@ -15,8 +15,7 @@ import torch
 from stowaway.format import safetensors_header as st
 from stowaway.format import template as template_mod
 from stowaway.format import tree as tree_mod
-
-TREE_METADATA_KEY = "stowaway.tree"
+from stowaway.format.shards import TREE_METADATA_KEY
 
 _TO_SAFETENSORS = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
