@@ -136,16 +136,25 @@ def test_each_save_of_a_sharded_training_loop_is_encoded_from_the_template_and_r
             assert torch.equal(restored["model"]["w"].to_local(), torch.arange(12.0).reshape(3, 4) + step - 1)
 
 
-def test_a_placement_stowaway_cannot_rebuild_is_refused_with_its_path(start_sidecar, meshes):
+def test_dtensors_from_local_cannot_rebuild_are_refused_with_their_path(start_sidecar, meshes):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
     from torch.distributed.tensor.placement_types import _MaskPartial
 
-    fsdp, _ = meshes
+    fsdp, grid = meshes
     sidecar = start_sidecar()
     masked = DTensor.from_local(torch.ones(2), fsdp, [_MaskPartial()], run_check=False)
+    # Dimension 0 split over mesh dimension 1, then 0: torch records such an order only in the (private) spec.
+    local = torch.arange(8.0).reshape(4, 2)
+    reordered = DTensor(local, DTensorSpec(grid, (Shard(0), Shard(0)), TensorMeta(local.shape, local.stride(),
+                        local.dtype), shard_order=(ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),)),
+                        requires_grad=False)
     with Checkpointer(job="dt", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt:
         with pytest.raises(UnsupportedState, match=r"DTensor at state\['emb'\] has placement .*full_tensor"):
             ckpt.save(1, {"emb": masked})
-        ckpt.save(1, {"emb": masked.full_tensor()}).wait(30)
+        with pytest.raises(UnsupportedState, match=r"DTensor at state\['w'\] shards one tensor dimension .* order"):
+            ckpt.save(1, {"w": reordered})
+        in_order = DTensor.from_local(local, grid, [Shard(0), Shard(0)], run_check=False)
+        ckpt.save(1, {"emb": masked.full_tensor(), "w": in_order}).wait(30)
 
 
 def fsdp2_job(storage: Path, steps: int) -> subprocess.CompletedProcess[str]:

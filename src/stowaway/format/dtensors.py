@@ -79,14 +79,36 @@ def split(value: Any) -> tuple[torch.Tensor, tuple[Any, ...]]:
     attribute read instead of an autograd function of 8 µs.
     """
     is_parameter = isinstance(value, torch.nn.Parameter)
-    facts = (value.placements, value.shape, value.stride(), value.device_mesh, is_parameter,
-             is_parameter and value.requires_grad)
+    placements = value.placements
+    facts = (placements, value.shape, value.stride(), value.device_mesh, is_parameter,
+             is_parameter and value.requires_grad, _in_default_order(value, placements))
     return value.to_local(), facts
+
+
+def _in_default_order(value: Any, placements: tuple[Any, ...]) -> bool:
+    """Whether a tensor dimension sharded over several mesh dimensions is split in their left-to-right order.
+
+    That order is all ``from_local`` can rebuild; torch may record another in the DTensor's spec (private,
+    so looked up defensively). It only matters when one tensor dimension is sharded more than once.
+    """
+    dims = [placement.dim for placement in placements if hasattr(placement, "dim")]
+    if len(dims) == len(set(dims)):
+        return True
+    spec = getattr(value, "_spec", None)
+    order = getattr(spec, "shard_order", None)
+    default = getattr(type(spec), "compute_default_shard_order", None)
+    return order is None or default is None or order == default(tuple(placements))
 
 
 def encode(facts: tuple[Any, ...], local_node: dict[str, Any], shown_path: str, meshes: MeshTable) -> dict[str, Any]:
     """The tree node of a DTensor: its local shard's node and how to rebuild the DTensor from it."""
-    placements, shape, stride, mesh, is_parameter, requires_grad = facts
+    placements, shape, stride, mesh, is_parameter, requires_grad, default_order = facts
+    if not default_order:
+        raise UnsupportedState(
+            f"DTensor at {shown_path} shards one tensor dimension over several mesh dimensions in an "
+            "order other than theirs, which DTensor.from_local cannot rebuild; redistribute it first, or store "
+            "its full_tensor()"
+        )
     node: dict[str, Any] = {
         "D": local_node,
         "pl": [_encode_placement(placement, shown_path) for placement in placements],
