@@ -5,6 +5,8 @@
     handle = ckpt.save(step, state)       # returns once the state is in shared memory
     handle.wait()                         # optional: until the checkpoint is committed
 
+    step, state = read_checkpoint("STORAGE/JOB")   # offline, DTensors gathered whole
+
 The client is imported lazily: the sidecar and the operator live in this
 distribution too and must start without importing torch.
 """
@@ -26,6 +28,7 @@ from stowaway.errors import (
 if TYPE_CHECKING:
     from stowaway.client.checkpointer import Checkpointer
     from stowaway.client.handle import SaveHandle
+    from stowaway.client.offline import read_checkpoint
 
 __all__ = [
     "CheckpointCorrupt",
@@ -39,6 +42,7 @@ __all__ = [
     "SlotWaitTimeout",
     "StowawayError",
     "UnsupportedState",
+    "read_checkpoint",
 ]
 
 
@@ -51,4 +55,8 @@ def __getattr__(name: str) -> Any:
         from stowaway.client.handle import SaveHandle
 
         return SaveHandle
+    if name == "read_checkpoint":
+        from stowaway.client.offline import read_checkpoint
+
+        return read_checkpoint
     raise AttributeError(f"module 'stowaway' has no attribute {name!r}")

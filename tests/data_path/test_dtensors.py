@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from data_path.stored import rank_files
-from stowaway import Checkpointer, UnsupportedState
+from stowaway import CheckpointCorrupt, Checkpointer, UnsupportedState, read_checkpoint
 from stowaway.format import codec, template
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,6 +157,44 @@ def test_dtensors_from_local_cannot_rebuild_are_refused_with_their_path(start_si
         ckpt.save(1, {"emb": masked.full_tensor(), "w": in_order}).wait(30)
 
 
+def test_read_checkpoint_gathers_each_dtensor_whole_without_a_sidecar(start_sidecar, storage, meshes):
+    fsdp, grid = meshes
+    state = sharded_state(fsdp, grid)
+    with Checkpointer(job="dt", socket=start_sidecar().socket, rank=0, world_size=1, timeout=30) as ckpt:
+        ckpt.save(1, state).wait(30)
+        del state["optim"]["exp_avg"], state["model"]["strided"]  # a sum over ranks; an interleaving of them
+        ckpt.save(2, state).wait(30)
+
+    step, whole = read_checkpoint(storage / "dt")
+    assert step == 2 and whole["epoch"] == 3
+    weight = whole["model"]["w"]
+    assert type(weight) is nn.Parameter and weight.requires_grad and whole["optim"]["tied"] is weight
+    assert torch.equal(weight, torch.arange(12.0).reshape(3, 4))
+    assert type(whole["model"]["tp"]) is torch.Tensor
+    assert torch.equal(whole["model"]["tp"], state["model"]["tp"].full_tensor())
+    with pytest.raises(UnsupportedState, match=r"placement .* cannot be gathered into a whole tensor: .*full_tensor"):
+        read_checkpoint(storage / "dt", 1)
+
+
+def test_read_checkpoint_refuses_what_it_cannot_read_with_what_to_do(start_sidecar, storage):
+    with pytest.raises(ValueError, match=r"holds no committed checkpoint: pass a job's directory"):
+        read_checkpoint(storage)
+    with Checkpointer(job="plain", socket=start_sidecar().socket, rank=0, world_size=1, timeout=30) as ckpt:
+        ckpt.save(4, {"w": torch.ones(3)}).wait(30)
+    job = storage / "plain"
+    assert torch.equal(read_checkpoint(job)[1]["w"], torch.ones(3))
+    with pytest.raises(ValueError, match=r"step 5 is not a committed checkpoint .*; committed: 4"):
+        read_checkpoint(job, 5)
+    with pytest.raises(ValueError, match="rank 1 is not one of the 1 ranks of step 4"):
+        read_checkpoint(job, rank=1)
+    stored = job / "step-000000000004" / "rank-00000-of-00001.safetensors"
+    data = bytearray(stored.read_bytes())
+    data[-1] ^= 0x01
+    stored.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match=r"rank-00000-of-00001.safetensors does not match the manifest"):
+        read_checkpoint(job)
+
+
 def fsdp2_job(storage: Path, steps: int) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "stowaway", "run", "--storage", str(storage), "--job", "fsdp2", "--",
                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -184,3 +222,12 @@ def test_an_fsdp2_job_stopped_and_resumed_ends_identical_to_an_uninterrupted_one
             assert torch.equal(got["tensors"][name], tensor), f"rank {rank}: {name} differs after the resume"
     # Each rank stored its own shard only: the 5 x 64 output layer splits 3 + 2 over the two ranks.
     assert [files["tensors"]["model.4.weight"].shape for files in actual] == [(3, 64), (2, 64)]
+
+    # Read outside the job, each DTensor is whole: FSDP2 shards dimension 0, so the ranks' shards in order.
+    step, whole = read_checkpoint(short_tmp / "resumed" / "fsdp2")
+    assert step == 7
+    for name, tensor in [*whole["model"].items(), *whole["optimizer"]["state"][4].items()]:
+        stored = [files["tensors"].get(f"model.{name}", files["tensors"].get(f"optimizer.state.4.{name}"))
+                  for files in actual]
+        assert torch.equal(tensor, torch.cat(stored) if tensor.dim() else stored[0]), name
+    assert whole["model"]["4.weight"].shape == (5, 64)

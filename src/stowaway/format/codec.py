@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from stowaway.format import dtensors
 from stowaway.format import safetensors_header as st
 from stowaway.format import template as template_mod
 from stowaway.format import tree as tree_mod
@@ -118,6 +119,12 @@ def write_into(encoded: Encoded, payload: torch.Tensor, views: list[torch.Tensor
 def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickle: bool = False,
               meshes: tuple[Any, ...] = ()) -> Any:
     """Rebuild the state dict from a payload, copying every tensor out of the buffer; DTensors go onto ``meshes``."""
+    tree, tensors = decode(payload, nbytes, map_location)
+    return tree_mod.unflatten(tree, tensors, dtensors.Rebuilder(tree, meshes), allow_pickle)
+
+
+def decode(payload: torch.Tensor, nbytes: int, map_location: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A payload's state tree, and a copy of each of its tensors by name (for ``tree.unflatten``)."""
     raw = memoryview(payload.numpy())
     layout, metadata = st.parse(raw, nbytes)
     try:
@@ -129,8 +136,7 @@ def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickl
         copies = [view.clone() for view in views]
     else:
         copies = [view.to(map_location, copy=True) for view in views]
-    tensors = {item.spec.name: copy for item, copy in zip(layout.tensors, copies, strict=True)}
-    return tree_mod.unflatten(tree, tensors, allow_pickle, meshes)
+    return tree, {item.spec.name: copy for item, copy in zip(layout.tensors, copies, strict=True)}
 
 
 def _views(payload: torch.Tensor, layout: st.Layout, items: list[st.Placed]) -> list[torch.Tensor]:

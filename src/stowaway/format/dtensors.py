@@ -124,8 +124,8 @@ def encode(facts: tuple[Any, ...], local_node: dict[str, Any], shown_path: str, 
 class Rebuilder:
     """Rebuilds a load's DTensors on the caller's meshes, each mesh matched to a saved one once."""
 
-    def __init__(self, saved_meshes: list[dict[str, Any]], given: tuple[Any, ...]) -> None:
-        self._saved = saved_meshes
+    def __init__(self, tree: dict[str, Any], given: tuple[Any, ...]) -> None:
+        self._saved = tree.get("meshes", [])
         self._given = given
         self._matched: dict[int, Any] = {}
 

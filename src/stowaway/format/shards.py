@@ -9,6 +9,7 @@ show them: anything it does not understand is left out, never an error.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 # The safetensors metadata entry that holds the state tree.
@@ -20,18 +21,22 @@ def describe(metadata: dict[str, str]) -> dict[str, str]:
     try:
         tree = json.loads(metadata[TREE_METADATA_KEY])
         meshes = tree.get("meshes") or []
-        pending, found = [tree["root"]], {}
-        while pending:
-            node = pending.pop()
-            if isinstance(node, dict):
-                if isinstance(node.get("D"), dict):
-                    found[node["D"]["T"]] = _shown(node, meshes[node["m"]])
-                pending.extend(node.values())
-            elif isinstance(node, list):
-                pending.extend(node)
-        return found
+        return {node["D"]["T"]: _shown(node, meshes[node["m"]]) for node in dtensor_nodes(tree["root"])}
     except (KeyError, IndexError, TypeError, AttributeError, json.JSONDecodeError):
         return {}
+
+
+def dtensor_nodes(root: Any) -> Iterator[dict[str, Any]]:
+    """Every DTensor node of a state tree, once per place it appears."""
+    pending = [root]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("D"), dict):
+                yield node
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
 
 
 def _shown(node: dict[str, Any], mesh: dict[str, Any]) -> str:

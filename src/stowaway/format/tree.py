@@ -14,7 +14,7 @@ import math
 import pickle
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -161,20 +161,26 @@ def flatten(state: Any, allow_pickle: bool = False) -> Flat:
     return Flat(tree, flattener.tensors, flattener.occurrences, flattener.scalar_nodes)
 
 
-def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor], allow_pickle: bool = False,
-              meshes: tuple[Any, ...] = ()) -> Any:
-    """The state ``flatten`` was given; its DTensors are rebuilt on ``meshes`` (see ``format.dtensors``)."""
+def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor], dtensor_builder: DTensorBuilder,
+              allow_pickle: bool = False) -> Any:
+    """The state ``flatten`` was given; ``dtensor_builder`` makes what each DTensor node becomes."""
     if tree.get("version") not in (TREE_VERSION, DTENSOR_TREE_VERSION):
         raise UnsupportedState(
             f"state tree version {tree.get('version')} is not readable by this release "
             f"(reads {TREE_VERSION} and {DTENSOR_TREE_VERSION}); upgrade Stowaway"
         )
-    rebuilder = dtensors.Rebuilder(tree.get("meshes", []), meshes)
-    return _Unflattener(tensors, allow_pickle, rebuilder).node(tree["root"])
+    return _Unflattener(tensors, allow_pickle, dtensor_builder).node(tree["root"])
+
+
+class DTensorBuilder(Protocol):
+    """What a DTensor node comes back as: a DTensor on the caller's mesh (``dtensors.Rebuilder``), or the
+    whole tensor gathered from every rank's file (``full_tensors.Gatherer``)."""
+
+    def rebuild(self, node: dict[str, Any], local: torch.Tensor) -> Any: ...
 
 
 class _Unflattener:
-    def __init__(self, tensors: dict[str, torch.Tensor], allow_pickle: bool, rebuilder: dtensors.Rebuilder) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], allow_pickle: bool, rebuilder: DTensorBuilder) -> None:
         self.tensors = tensors
         self.allow_pickle = allow_pickle
         self.rebuilder = rebuilder

@@ -1,0 +1,75 @@
+"""``read_checkpoint``: a committed checkpoint read straight from storage, outside the job that wrote it.
+
+For evaluating, converting or inspecting a checkpoint where there is no
+sidecar, no process group and perhaps not the job's number of GPUs: one
+rank's state comes back as ``load()`` would return it, except that each
+DTensor is gathered whole from every rank's file (``format.full_tensors``).
+Every file read is checked against the manifest's size and checksum first.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stowaway.errors import CheckpointCorrupt
+from stowaway.format import codec, dtensors
+from stowaway.format import tree as tree_mod
+from stowaway.format.full_tensors import Gatherer
+from stowaway.storage import catalog, checksum, layout, manifest
+
+
+def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, rank: int = 0,
+                    map_location: Any = "cpu", allow_pickle: bool = False) -> tuple[int, Any]:
+    """``(step, state)`` of rank ``rank`` in the committed ``step`` (default: the newest) of the job at ``path``.
+
+    ``path`` is a job's directory: the sidecar's storage followed by the job
+    name. Each DTensor comes back as a plain tensor of its global shape,
+    gathered from every rank's file: all of them are read, one at a time, and
+    the gathered tensors are held in memory (on ``map_location``) together.
+    A checkpoint without DTensors reads only the one rank's file.
+    """
+    job_path = Path(path)
+    committed = catalog.committed_steps(job_path)
+    if not committed:
+        raise ValueError(f"{job_path} holds no committed checkpoint: pass a job's directory (the sidecar's "
+                         "storage followed by the job name), as `stowaway ls` lists them")
+    if step is None:
+        step = committed[-1]
+    elif step not in committed:
+        raise ValueError(f"step {step} is not a committed checkpoint of {job_path}; committed: "
+                         f"{', '.join(map(str, committed[-10:]))}{' (the newest ten)' if len(committed) > 10 else ''}")
+    step_path = layout.step_dir(job_path, step)
+    found = manifest.read_manifest(step_path)
+    if not 0 <= rank < found.world_size:
+        raise ValueError(f"rank {rank} is not one of the {found.world_size} ranks of step {step}")
+    tree, tensors = _decoded(step_path, found.file_for(rank), map_location)
+    if not tree.get("meshes"):
+        return step, tree_mod.unflatten(tree, tensors, dtensors.Rebuilder(tree, ()), allow_pickle)
+    gatherer = Gatherer(torch.device(map_location))
+    for entry in found.files:
+        if entry.rank == rank:
+            gatherer.add(rank, tree, tensors)
+        else:
+            gatherer.add(entry.rank, *_decoded(step_path, entry, "cpu"))
+    return step, tree_mod.unflatten(tree, tensors, gatherer, allow_pickle)
+
+
+def _decoded(step_path: Path, entry: manifest.FileEntry, map_location: Any) -> tuple[dict[str, Any],
+                                                                                   dict[str, torch.Tensor]]:
+    """One rank's file, checked against the manifest, as its state tree and tensors."""
+    path = step_path / entry.name
+    buffer = bytearray(entry.bytes)
+    view, size = memoryview(buffer), 0
+    with path.open("rb", buffering=0) as handle:
+        # One read returns at most about 2 GiB on Linux.
+        while size < entry.bytes and (count := handle.readinto(view[size:])):
+            size += count
+        extra = handle.read(1)
+    if size != entry.bytes or extra or checksum.of_bytes(buffer) != entry.xxh3_64:
+        raise CheckpointCorrupt(f"{path} does not match the manifest's size and xxh3-64 checksum; "
+                                "`stowaway verify` names what differs")
+    return codec.decode(torch.frombuffer(buffer, dtype=torch.uint8), entry.bytes, map_location)

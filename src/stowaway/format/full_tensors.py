@@ -1,0 +1,101 @@
+"""Gathering a DTensor's shards, one in each rank's file, into the whole tensor.
+
+For reading a checkpoint outside the job that wrote it (to evaluate, convert
+or load onto another mesh): there is no mesh to rebuild a DTensor on, and the
+caller wants each one whole. Every rank stored its shard (``format.dtensors``);
+a shard goes where torch's sharding put it: each ``Shard(dim)`` splits what
+the mesh dimensions before it left of that tensor dimension as ``torch.chunk``
+does, mesh dimension by mesh dimension, left to right (``dtensors`` refuses
+other orders at save). Every shard's shape is checked against its region.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from stowaway.errors import UnsupportedState
+from stowaway.format.shards import dtensor_nodes
+
+
+def shard_region(global_shape: list[int], mesh_ranks: Any, rank: int,
+                 placements: list[dict[str, Any]]) -> tuple[slice, ...] | None:
+    """Where ``rank``'s shard lies in the whole tensor; None when the rank is not in the mesh."""
+    layout = np.array(mesh_ranks)
+    found = np.argwhere(layout == rank)
+    if not len(found):
+        return None
+    coordinate = found[0].tolist()
+    begin, extent = [0] * len(global_shape), list(global_shape)
+    for mesh_dim, placement in enumerate(placements):
+        if "r" in placement:
+            continue
+        if "s" not in placement or "sf" in placement:
+            raise UnsupportedState(
+                f"placement {placement} cannot be gathered into a whole tensor: only Shard and Replicate can "
+                "(a Partial is a sum over ranks, a _StridedShard interleaves them); load the checkpoint in the "
+                "job's layout with load(device_mesh=...) and call full_tensor() instead"
+            )
+        dim = placement["s"] % len(global_shape)
+        size, offset = _chunk(extent[dim], layout.shape[mesh_dim], coordinate[mesh_dim])
+        begin[dim] += offset
+        extent[dim] = size
+    return tuple(slice(start, start + size) for start, size in zip(begin, extent, strict=True))
+
+
+def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
+    """Size and offset of part ``index`` when ``torch.chunk`` splits ``length`` into ``parts``."""
+    full = -(-length // parts)
+    start = full * index
+    if start >= length:
+        return 0, length
+    return min(full, length - start), start
+
+
+class Gatherer:
+    """Collects every rank's shards into whole tensors, then hands them to ``tree.unflatten``.
+
+    Each whole tensor is allocated on ``device`` at its first shard, so only
+    one rank's file need be held in memory at a time.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._whole: dict[str, torch.Tensor] = {}
+        self._parameters: dict[str, torch.nn.Parameter] = {}
+
+    def add(self, rank: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Place ``rank``'s shards: ``tree`` and ``tensors`` are its file's, as ``codec.decode`` returns them."""
+        meshes = tree.get("meshes", [])
+        placed: set[str] = set()
+        for node in dtensor_nodes(tree["root"]):
+            name = node["D"]["T"]
+            if name in placed:
+                continue
+            placed.add(name)
+            region = shard_region(node["sh"], meshes[node["m"]]["ranks"], rank, node["pl"])
+            if region is None:
+                continue
+            shard = tensors[name]
+            whole = self._whole.get(name)
+            if whole is None:
+                whole = self._whole[name] = torch.empty(node["sh"], dtype=shard.dtype, device=self._device)
+            target = whole[region]
+            if target.shape != shard.shape:
+                raise UnsupportedState(
+                    f"rank {rank}'s shard of the DTensor stored as {name!r} has shape {list(shard.shape)}, but "
+                    f"placements {node['pl']} of a {list(node['sh'])} tensor give it {list(target.shape)}; load "
+                    "the checkpoint in the job's layout with load(device_mesh=...) and call full_tensor() instead"
+                )
+            target.copy_(shard)
+
+    def rebuild(self, node: dict[str, Any], local: torch.Tensor) -> Any:
+        name = node["D"]["T"]
+        whole = self._whole[name]
+        if "P" not in node:
+            return whole
+        if name not in self._parameters:
+            self._parameters[name] = torch.nn.Parameter(whole, requires_grad=bool(node["P"]))
+        return self._parameters[name]

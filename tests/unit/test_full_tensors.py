@@ -1,0 +1,51 @@
+"""Each rank's shard goes where torch's own sharding put it, for every mesh and uneven split.
+
+The oracle is torch's computation of a shard's shape and offset from a mesh
+coordinate, which DTensor itself uses; a DTensor cannot be built for ranks
+this process is not, so the comparison is made on the arithmetic.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from stowaway import UnsupportedState
+from stowaway.format.full_tensors import shard_region
+
+PLACEMENTS = {"R": (Replicate(), {"r": 1}), "S0": (Shard(0), {"s": 0}), "S1": (Shard(1), {"s": 1})}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (3,), (4,), (2, 3), (4, 2), (2, 2, 2)])
+@pytest.mark.parametrize("global_shape", [(8, 6), (7, 5), (5, 1), (1, 3), (0, 4), (3, 0)])
+def test_every_ranks_region_is_where_torch_puts_its_shard(mesh_shape, global_shape):
+    ranks = np.arange(int(np.prod(mesh_shape))).reshape(mesh_shape)[..., ::-1]  # not in row-major order
+    for names in itertools.product(PLACEMENTS, repeat=len(mesh_shape)):
+        torch_placements = [PLACEMENTS[name][0] for name in names]
+        stored = [PLACEMENTS[name][1] for name in names]
+        covered = np.zeros(global_shape, dtype=int)
+        for coordinate in itertools.product(*(range(size) for size in mesh_shape)):
+            rank = int(ranks[coordinate])
+            region = shard_region(list(global_shape), ranks.tolist(), rank, stored)
+            shape, offset = _compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coordinate),
+                                                                   torch_placements)
+            assert tuple(piece.stop - piece.start for piece in region) == tuple(shape), (names, coordinate)
+            if all(shape):
+                assert tuple(piece.start for piece in region) == tuple(offset), (names, coordinate)
+            covered[region] += 1
+        copies = int(np.prod([size for size, name in zip(mesh_shape, names, strict=True) if name == "R"]))
+        assert (covered == copies).all(), f"{names}: every element is in exactly one shard per replica"
+
+
+def test_a_rank_outside_the_mesh_has_no_region():
+    assert shard_region([4], [[0, 1]], 2, [{"r": 1}, {"s": 0}]) is None
+
+
+@pytest.mark.parametrize("placement", [{"p": "sum"}, {"s": 0, "sf": 2}])
+def test_placements_that_are_not_a_split_are_refused(placement):
+    with pytest.raises(UnsupportedState, match="only Shard and Replicate"):
+        shard_region([4], [0, 1], 0, [placement])
