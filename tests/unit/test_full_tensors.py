@@ -11,11 +11,13 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from stowaway import UnsupportedState
-from stowaway.format.full_tensors import shard_region
+from stowaway.format import tree as tree_mod
+from stowaway.format.full_tensors import Gatherer, mesh_position, shard_region
 
 PLACEMENTS = {"R": (Replicate(), {"r": 1}), "S0": (Shard(0), {"s": 0}), "S1": (Shard(1), {"s": 1})}
 
@@ -29,8 +31,9 @@ def test_every_ranks_region_is_where_torch_puts_its_shard(mesh_shape, global_sha
         stored = [PLACEMENTS[name][1] for name in names]
         covered = np.zeros(global_shape, dtype=int)
         for coordinate in itertools.product(*(range(size) for size in mesh_shape)):
-            rank = int(ranks[coordinate])
-            region = shard_region(list(global_shape), ranks.tolist(), rank, stored)
+            position = mesh_position(ranks.tolist(), int(ranks[coordinate]))
+            assert position == (mesh_shape, list(coordinate))
+            region = shard_region(list(global_shape), *position, stored)
             shape, offset = _compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coordinate),
                                                                    torch_placements)
             assert tuple(piece.stop - piece.start for piece in region) == tuple(shape), (names, coordinate)
@@ -41,11 +44,33 @@ def test_every_ranks_region_is_where_torch_puts_its_shard(mesh_shape, global_sha
         assert (covered == copies).all(), f"{names}: every element is in exactly one shard per replica"
 
 
-def test_a_rank_outside_the_mesh_has_no_region():
-    assert shard_region([4], [[0, 1]], 2, [{"r": 1}, {"s": 0}]) is None
+def test_a_rank_outside_the_mesh_has_no_position_in_it():
+    assert mesh_position([[0, 1]], 2) is None
 
 
 @pytest.mark.parametrize("placement", [{"p": "sum"}, {"s": 0, "sf": 2}])
 def test_placements_that_are_not_a_split_are_refused(placement):
     with pytest.raises(UnsupportedState, match="only Shard and Replicate"):
-        shard_region([4], [0, 1], 0, [placement])
+        shard_region([4], (2,), [0], [placement])
+
+
+def sharded_tree() -> dict:
+    node = {"D": {"T": "w"}, "pl": [{"s": 0}], "sh": [4], "st": [1], "m": 0}
+    return {"version": 2, "root": {"d": [[{"v": "w"}, node]]},
+            "meshes": [{"ranks": [0, 1], "names": None, "device": "cpu"}]}
+
+
+def test_a_dtensor_is_whole_once_every_rank_of_its_mesh_gave_its_shard():
+    tree = sharded_tree()
+    first = {"w": torch.tensor([0.0, 1.0])}
+    gatherer = Gatherer(torch.device("cpu"))
+    gatherer.add(0, tree, first)
+    with pytest.raises(UnsupportedState, match=r"'w' has no shard in the files of ranks \[1\]"):
+        tree_mod.unflatten(tree, first, gatherer)
+    gatherer.add(1, tree, {"w": torch.tensor([2.0, 3.0])})
+    assert torch.equal(tree_mod.unflatten(tree, first, gatherer)["w"], torch.arange(4.0))
+
+
+def test_a_shard_of_another_shape_than_its_placements_give_is_refused():
+    with pytest.raises(UnsupportedState, match=r"rank 1's shard of the DTensor stored as 'w' has shape \[3\], but"):
+        Gatherer(torch.device("cpu")).add(1, sharded_tree(), {"w": torch.zeros(3)})

@@ -20,14 +20,16 @@ from stowaway.errors import UnsupportedState
 from stowaway.format.shards import dtensor_nodes
 
 
-def shard_region(global_shape: list[int], mesh_ranks: Any, rank: int,
-                 placements: list[dict[str, Any]]) -> tuple[slice, ...] | None:
-    """Where ``rank``'s shard lies in the whole tensor; None when the rank is not in the mesh."""
+def mesh_position(mesh_ranks: Any, rank: int) -> tuple[tuple[int, ...], list[int]] | None:
+    """The mesh's shape and ``rank``'s coordinate in it; None when the rank is not in the mesh."""
     layout = np.array(mesh_ranks)
     found = np.argwhere(layout == rank)
-    if not len(found):
-        return None
-    coordinate = found[0].tolist()
+    return (layout.shape, found[0].tolist()) if len(found) else None
+
+
+def shard_region(global_shape: list[int], mesh_shape: tuple[int, ...], coordinate: list[int],
+                 placements: list[dict[str, Any]]) -> tuple[slice, ...]:
+    """Where the shard of the rank at ``coordinate`` lies in the whole tensor."""
     begin, extent = [0] * len(global_shape), list(global_shape)
     for mesh_dim, placement in enumerate(placements):
         if "r" in placement:
@@ -39,7 +41,7 @@ def shard_region(global_shape: list[int], mesh_ranks: Any, rank: int,
                 "job's layout with load(device_mesh=...) and call full_tensor() instead"
             )
         dim = placement["s"] % len(global_shape)
-        size, offset = _chunk(extent[dim], layout.shape[mesh_dim], coordinate[mesh_dim])
+        size, offset = _chunk(extent[dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
         begin[dim] += offset
         extent[dim] = size
     return tuple(slice(start, start + size) for start, size in zip(begin, extent, strict=True))
@@ -64,25 +66,24 @@ class Gatherer:
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._whole: dict[str, torch.Tensor] = {}
+        # Per whole tensor, the ranks of its mesh whose shard has not been placed yet.
+        self._awaited: dict[str, set[int]] = {}
         self._parameters: dict[str, torch.nn.Parameter] = {}
 
     def add(self, rank: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Place ``rank``'s shards: ``tree`` and ``tensors`` are its file's, as ``codec.decode`` returns them."""
         meshes = tree.get("meshes", [])
-        placed: set[str] = set()
+        positions = {index: mesh_position(mesh["ranks"], rank) for index, mesh in enumerate(meshes)}
         for node in dtensor_nodes(tree["root"]):
             name = node["D"]["T"]
-            if name in placed:
-                continue
-            placed.add(name)
-            region = shard_region(node["sh"], meshes[node["m"]]["ranks"], rank, node["pl"])
-            if region is None:
+            position = positions[node["m"]]
+            if position is None or rank not in self._awaited.setdefault(name, _ranks_of(meshes[node["m"]])):
                 continue
             shard = tensors[name]
             whole = self._whole.get(name)
             if whole is None:
                 whole = self._whole[name] = torch.empty(node["sh"], dtype=shard.dtype, device=self._device)
-            target = whole[region]
+            target = whole[shard_region(node["sh"], *position, node["pl"])]
             if target.shape != shard.shape:
                 raise UnsupportedState(
                     f"rank {rank}'s shard of the DTensor stored as {name!r} has shape {list(shard.shape)}, but "
@@ -90,12 +91,24 @@ class Gatherer:
                     "the checkpoint in the job's layout with load(device_mesh=...) and call full_tensor() instead"
                 )
             target.copy_(shard)
+            self._awaited[name].discard(rank)
 
     def rebuild(self, node: dict[str, Any], local: torch.Tensor) -> Any:
         name = node["D"]["T"]
+        if self._awaited[name]:
+            missing = sorted(self._awaited[name])
+            raise UnsupportedState(
+                f"the DTensor stored as {name!r} has no shard in the files of ranks {missing[:16]} of its mesh, "
+                "so it cannot be gathered whole; load the checkpoint in the job's layout with "
+                "load(device_mesh=...) instead"
+            )
         whole = self._whole[name]
         if "P" not in node:
             return whole
         if name not in self._parameters:
             self._parameters[name] = torch.nn.Parameter(whole, requires_grad=bool(node["P"]))
         return self._parameters[name]
+
+
+def _ranks_of(mesh: dict[str, Any]) -> set[int]:
+    return set(np.array(mesh["ranks"]).reshape(-1).tolist())
