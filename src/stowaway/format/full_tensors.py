@@ -3,10 +3,10 @@
 For reading a checkpoint outside the job that wrote it (to evaluate, convert
 or load onto another mesh): there is no mesh to rebuild a DTensor on, and the
 caller wants each one whole. Every rank stored its shard (``format.dtensors``);
-a shard goes where torch's sharding put it: each ``Shard(dim)`` splits what
-the mesh dimensions before it left of that tensor dimension as ``torch.chunk``
-does, mesh dimension by mesh dimension, left to right (``dtensors`` refuses
-other orders at save). Every shard's shape is checked against its region.
+a shard goes where torch's sharding put it: mesh dimension by mesh dimension
+from the left, each ``Shard(dim)`` splits what is left of that tensor
+dimension as ``torch.chunk`` does (``dtensors`` refuses other orders at
+save). Every shard's shape is checked against its region.
 """
 
 from __future__ import annotations
