@@ -8,6 +8,7 @@ through a real FSDP2 job under torchrun that is stopped and resumed.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -231,3 +232,22 @@ def test_an_fsdp2_job_stopped_and_resumed_ends_identical_to_an_uninterrupted_one
                   for files in actual]
         assert torch.equal(tensor, torch.cat(stored) if tensor.dim() else stored[0]), name
     assert whole["model"]["4.weight"].shape == (5, 64)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp2_over_tensor_parallelism_restores_in_the_job_and_reads_whole_outside_it(short_tmp):
+    full_path = short_tmp / "full.pt"
+    command = [sys.executable, "-m", "stowaway", "run", "--storage", str(short_tmp / "s"), "--job", "tp", "--",
+               sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               str(Path(__file__).with_name("tensor_parallel_worker.py")), str(full_path)]
+    job = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         timeout=240)
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
+
+    step, whole = read_checkpoint(short_tmp / "s" / "tp")
+    assert step == 1
+    for name, expected in torch.load(full_path).items():
+        assert torch.equal(whole["model"][name], expected), f"{name} differs from the job's full_tensor()"
+    tree = json.loads(rank_files(short_tmp / "s" / "tp" / f"step-{1:012d}", 4)[0]["metadata"]["stowaway.tree"])
+    assert '"sf": 2' in json.dumps(tree), "no parameter was a _StridedShard: the test lost its point"

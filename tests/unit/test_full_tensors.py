@@ -1,8 +1,10 @@
 """Each rank's shard goes where torch's own sharding put it, for every mesh and uneven split.
 
-The oracle is torch's computation of a shard's shape and offset from a mesh
-coordinate, which DTensor itself uses; a DTensor cannot be built for ranks
-this process is not, so the comparison is made on the arithmetic.
+The oracle is torch's own splitting of a tensor by each placement, mesh
+dimension by mesh dimension, as ``distribute_tensor`` does: applied to a
+tensor of its own indices, it gives the indices each rank's shard holds. A
+DTensor cannot be built for ranks this process is not, so the comparison is
+made on the indices.
 """
 
 from __future__ import annotations
@@ -13,19 +15,35 @@ import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from stowaway import UnsupportedState
 from stowaway.format import tree as tree_mod
-from stowaway.format.full_tensors import Gatherer, mesh_position, shard_region
+from stowaway.format.full_tensors import Gatherer, mesh_position, shard_indices
 
-PLACEMENTS = {"R": (Replicate(), {"r": 1}), "S0": (Shard(0), {"s": 0}), "S1": (Shard(1), {"s": 1})}
+PLACEMENTS = {
+    "R": (Replicate(), {"r": 1}),
+    "S0": (Shard(0), {"s": 0}),
+    "S1": (Shard(1), {"s": 1}),
+    "SS0": (_StridedShard(0, split_factor=2), {"s": 0, "sf": 2}),
+    "SS1": (_StridedShard(1, split_factor=3), {"s": 1, "sf": 3}),
+}
+
+
+def torch_shard(whole: torch.Tensor, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+                placements: list) -> torch.Tensor:
+    for mesh_dim, placement in enumerate(placements):
+        if not isinstance(placement, Replicate):
+            pieces, _ = placement._split_tensor(whole, mesh_shape[mesh_dim], with_padding=False)
+            whole = pieces[coordinate[mesh_dim]]
+    return whole
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (3,), (4,), (2, 3), (4, 2), (2, 2, 2)])
-@pytest.mark.parametrize("global_shape", [(8, 6), (7, 5), (5, 1), (1, 3), (0, 4), (3, 0)])
-def test_every_ranks_region_is_where_torch_puts_its_shard(mesh_shape, global_shape):
+@pytest.mark.parametrize("global_shape", [(12, 6), (7, 5), (5, 1), (1, 3), (0, 4), (3, 0)])
+def test_every_ranks_indices_are_those_torch_puts_in_its_shard(mesh_shape, global_shape):
     ranks = np.arange(int(np.prod(mesh_shape))).reshape(mesh_shape)[..., ::-1]  # not in row-major order
+    positions = torch.arange(int(np.prod(global_shape))).reshape(global_shape)
     for names in itertools.product(PLACEMENTS, repeat=len(mesh_shape)):
         torch_placements = [PLACEMENTS[name][0] for name in names]
         stored = [PLACEMENTS[name][1] for name in names]
@@ -33,13 +51,10 @@ def test_every_ranks_region_is_where_torch_puts_its_shard(mesh_shape, global_sha
         for coordinate in itertools.product(*(range(size) for size in mesh_shape)):
             position = mesh_position(ranks.tolist(), int(ranks[coordinate]))
             assert position == (mesh_shape, list(coordinate))
-            region = shard_region(list(global_shape), *position, stored)
-            shape, offset = _compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coordinate),
-                                                                   torch_placements)
-            assert tuple(piece.stop - piece.start for piece in region) == tuple(shape), (names, coordinate)
-            if all(shape):
-                assert tuple(piece.start for piece in region) == tuple(offset), (names, coordinate)
-            covered[region] += 1
+            indices = shard_indices(list(global_shape), *position, stored)
+            expected = torch_shard(positions, mesh_shape, coordinate, torch_placements)
+            assert torch.equal(positions[np.ix_(*indices)], expected), (names, coordinate)
+            covered[np.ix_(*indices)] += 1
         copies = int(np.prod([size for size, name in zip(mesh_shape, names, strict=True) if name == "R"]))
         assert (covered == copies).all(), f"{names}: every element is in exactly one shard per replica"
 
@@ -48,10 +63,9 @@ def test_a_rank_outside_the_mesh_has_no_position_in_it():
     assert mesh_position([[0, 1]], 2) is None
 
 
-@pytest.mark.parametrize("placement", [{"p": "sum"}, {"s": 0, "sf": 2}])
-def test_placements_that_are_not_a_split_are_refused(placement):
-    with pytest.raises(UnsupportedState, match="only Shard and Replicate"):
-        shard_region([4], (2,), [0], [placement])
+def test_a_partial_is_refused():
+    with pytest.raises(UnsupportedState, match="a Partial is a sum over ranks"):
+        shard_indices([4], (2,), [0], [{"p": "sum"}])
 
 
 def sharded_tree() -> dict:

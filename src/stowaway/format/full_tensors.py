@@ -5,8 +5,9 @@ or load onto another mesh): there is no mesh to rebuild a DTensor on, and the
 caller wants each one whole. Every rank stored its shard (``format.dtensors``);
 a shard goes where torch's sharding put it: mesh dimension by mesh dimension
 from the left, each ``Shard(dim)`` splits what is left of that tensor
-dimension as ``torch.chunk`` does (``dtensors`` refuses other orders at
-save). Every shard's shape is checked against its region.
+dimension as ``torch.chunk`` does, and a ``_StridedShard`` splits each of
+its pieces so (``dtensors`` refuses other orders at save). Every shard's
+shape is checked against the indices it must fill.
 """
 
 from __future__ import annotations
@@ -27,33 +28,46 @@ def mesh_position(mesh_ranks: Any, rank: int) -> tuple[tuple[int, ...], list[int
     return (layout.shape, found[0].tolist()) if len(found) else None
 
 
-def shard_region(global_shape: list[int], mesh_shape: tuple[int, ...], coordinate: list[int],
-                 placements: list[dict[str, Any]]) -> tuple[slice, ...]:
-    """Where the shard of the rank at ``coordinate`` lies in the whole tensor."""
-    begin, extent = [0] * len(global_shape), list(global_shape)
+def shard_indices(global_shape: list[int], mesh_shape: tuple[int, ...], coordinate: list[int],
+                  placements: list[dict[str, Any]]) -> list[np.ndarray]:
+    """Per tensor dimension, the indices of the whole tensor that the shard of the rank at ``coordinate`` holds.
+
+    A ``Shard`` keeps one ``torch.chunk`` piece of what is left of its
+    dimension; a ``_StridedShard`` (FSDP2 over tensor parallelism) first cuts
+    it into ``split_factor`` pieces and keeps the same piece of each, so its
+    indices need not be contiguous.
+    """
+    indices = [np.arange(size) for size in global_shape]
     for mesh_dim, placement in enumerate(placements):
         if "r" in placement:
             continue
-        if "s" not in placement or "sf" in placement:
+        if "s" not in placement:
             raise UnsupportedState(
-                f"placement {placement} cannot be gathered into a whole tensor: only Shard and Replicate can "
-                "(a Partial is a sum over ranks, a _StridedShard interleaves them); load the checkpoint in the "
-                "job's layout with load(device_mesh=...) and call full_tensor() instead"
+                f"placement {placement} cannot be gathered into a whole tensor: a Partial is a sum over ranks "
+                "that only they can reduce; load the checkpoint in the job's layout with load(device_mesh=...) "
+                "and call full_tensor() instead"
             )
         dim = placement["s"] % len(global_shape)
-        size, offset = _chunk(extent[dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
-        begin[dim] += offset
-        extent[dim] = size
-    return tuple(slice(start, start + size) for start, size in zip(begin, extent, strict=True))
+        parts, index = mesh_shape[mesh_dim], coordinate[mesh_dim]
+        if "sf" in placement:
+            pieces = [_piece(indices[dim], placement["sf"], cut) for cut in range(placement["sf"])]
+            indices[dim] = np.concatenate([_piece(piece, parts, index) for piece in pieces])
+        else:
+            indices[dim] = _piece(indices[dim], parts, index)
+    return indices
 
 
-def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
-    """Size and offset of part ``index`` when ``torch.chunk`` splits ``length`` into ``parts``."""
-    full = -(-length // parts)
-    start = full * index
-    if start >= length:
-        return 0, length
-    return min(full, length - start), start
+def _piece(indices: np.ndarray, parts: int, index: int) -> np.ndarray:
+    """Piece ``index`` of ``indices`` when ``torch.chunk`` splits them into ``parts``."""
+    full = -(-len(indices) // parts)
+    return indices[full * index : full * (index + 1)]
+
+
+def _region(indices: list[np.ndarray]) -> tuple[Any, ...]:
+    """``indices`` as an index into the whole tensor: slices where they are contiguous, as most are."""
+    if all(not len(ix) or ix[-1] - ix[0] + 1 == len(ix) for ix in indices):
+        return tuple(slice(int(ix[0]), int(ix[-1]) + 1) if len(ix) else slice(0, 0) for ix in indices)
+    return tuple(torch.from_numpy(ix) for ix in np.ix_(*indices))
 
 
 class Gatherer:
@@ -83,14 +97,15 @@ class Gatherer:
             whole = self._whole.get(name)
             if whole is None:
                 whole = self._whole[name] = torch.empty(node["sh"], dtype=shard.dtype, device=self._device)
-            target = whole[shard_region(node["sh"], *position, node["pl"])]
-            if target.shape != shard.shape:
+            indices = shard_indices(node["sh"], *position, node["pl"])
+            expected = [len(ix) for ix in indices]
+            if list(shard.shape) != expected:
                 raise UnsupportedState(
                     f"rank {rank}'s shard of the DTensor stored as {name!r} has shape {list(shard.shape)}, but "
-                    f"placements {node['pl']} of a {list(node['sh'])} tensor give it {list(target.shape)}; load "
-                    "the checkpoint in the job's layout with load(device_mesh=...) and call full_tensor() instead"
+                    f"placements {node['pl']} of a {list(node['sh'])} tensor give it {expected}; load the "
+                    "checkpoint in the job's layout with load(device_mesh=...) and call full_tensor() instead"
                 )
-            target.copy_(shard)
+            whole[_region(indices)] = shard
             self._awaited[name].discard(rank)
 
     def rebuild(self, node: dict[str, Any], local: torch.Tensor) -> Any:
