@@ -6,8 +6,9 @@ Each rank saves its own shards: the model's and the optimizer's states are
 DTensors, stored as this rank's local shard with their placements. ``load``
 rebuilds them on the mesh passed as ``device_mesh``, the one given to
 ``fully_shard``. Run it again with more ``--steps`` and it continues from the
-last committed step exactly as an uninterrupted run would. It runs on CPUs
-(gloo) unless ``--device cuda`` is given (NCCL).
+last committed step; on CPUs (gloo, the default) exactly as an uninterrupted
+run would. ``--device cuda`` runs it on GPUs (NCCL), where kernels need not
+be deterministic.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def main() -> None:
                 print(f"resumed from step {step}; continuing at step {start}", flush=True)
         handles = []
         for step in range(start, args.steps):
-            # Draws from all three RNGs, so a resume is bit-identical only if all three are restored.
-            inputs = torch.randn(16, WIDTH, device=args.device) + random.random() + float(np.random.rand())
+            # Draws from all three host RNGs, which the checkpoint holds: a resume is bit-identical only if all
+            # three are restored. Drawn on the host, then moved to the device.
+            inputs = (torch.randn(16, WIDTH) + random.random() + float(np.random.rand())).to(args.device)
             labels = (inputs.sum(dim=1) > 0).long() + 2
             loss = nn.functional.cross_entropy(model(inputs), labels)
             optimizer.zero_grad()
