@@ -19,7 +19,7 @@ from stowaway.errors import CheckpointCorrupt
 from stowaway.format import codec, dtensors
 from stowaway.format import tree as tree_mod
 from stowaway.format.full_tensors import Gatherer
-from stowaway.storage import catalog, checksum, layout, manifest
+from stowaway.storage import catalog, direct_io, layout, manifest
 
 
 def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, rank: int = 0,
@@ -63,13 +63,13 @@ def _decoded(step_path: Path, entry: manifest.FileEntry, map_location: Any) -> t
     """One rank's file, checked against the manifest, as its state tree and tensors."""
     path = step_path / entry.name
     buffer = bytearray(entry.bytes)
-    view, size = memoryview(buffer), 0
-    with path.open("rb", buffering=0) as handle:
-        # One read returns at most about 2 GiB on Linux.
-        while size < entry.bytes and (count := handle.readinto(view[size:])):
-            size += count
-        extra = handle.read(1)
-    if size != entry.bytes or extra or checksum.of_bytes(buffer) != entry.xxh3_64:
+    fd = direct_io.open_file(path, os.O_RDONLY, direct=False)
+    try:
+        size = os.fstat(fd).st_size
+        count, digest = direct_io.read_into(fd, memoryview(buffer), entry.bytes)
+    finally:
+        os.close(fd)
+    if size != entry.bytes or count != entry.bytes or digest != entry.xxh3_64:
         raise CheckpointCorrupt(f"{path} does not match the manifest's size and xxh3-64 checksum; "
                                 "`stowaway verify` names what differs")
     return codec.decode(torch.frombuffer(buffer, dtype=torch.uint8), entry.bytes, map_location)

@@ -82,7 +82,6 @@ class Gatherer:
         self._whole: dict[str, torch.Tensor] = {}
         # Per whole tensor, the ranks of its mesh whose shard has not been placed yet.
         self._awaited: dict[str, set[int]] = {}
-        self._parameters: dict[str, torch.nn.Parameter] = {}
 
     def add(self, rank: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Place ``rank``'s shards: ``tree`` and ``tensors`` are its file's, as ``codec.decode`` returns them."""
@@ -91,7 +90,9 @@ class Gatherer:
         for node in dtensor_nodes(tree["root"]):
             name = node["D"]["T"]
             position = positions[node["m"]]
-            if position is None or rank not in self._awaited.setdefault(name, _ranks_of(meshes[node["m"]])):
+            if name not in self._awaited:
+                self._awaited[name] = _ranks_of(meshes[node["m"]])
+            if position is None or rank not in self._awaited[name]:
                 continue
             shard = tensors[name]
             whole = self._whole.get(name)
@@ -118,11 +119,8 @@ class Gatherer:
                 "load(device_mesh=...) instead"
             )
         whole = self._whole[name]
-        if "P" not in node:
-            return whole
-        if name not in self._parameters:
-            self._parameters[name] = torch.nn.Parameter(whole, requires_grad=bool(node["P"]))
-        return self._parameters[name]
+        # Called once per stored DTensor: tree.unflatten hands a tie the object it built the first time.
+        return torch.nn.Parameter(whole, requires_grad=bool(node["P"])) if "P" in node else whole
 
 
 def _ranks_of(mesh: dict[str, Any]) -> set[int]:
