@@ -185,3 +185,10 @@ def collective(ranks: list[RankProcess], **command: Any) -> list[dict[str, Any]]
 def join_group(ranks: list[RankProcess], store: Path) -> None:
     """Make the ranks one gloo process group, as a job initialises torch.distributed before ``load()``."""
     assert collective(ranks, op="join_group", store=str(store)) == [{"joined": True}] * len(ranks)
+
+
+def local_job(storage: Path, job: str, processes: int, script: Path, *args: str) -> list[str]:
+    """The command that runs ``script`` under torchrun next to a local sidecar, as the README shows."""
+    return [sys.executable, "-m", "stowaway", "run", "--storage", str(storage), "--job", job, "--",
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+            str(script), *args]

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from data_path.processes import wait_for
+from data_path.processes import local_job, wait_for
 from data_path.stored import rank_files
 from stowaway.storage import catalog
 
@@ -20,9 +19,7 @@ STEPS = 8
 
 
 def demo(storage: Path) -> list[str]:
-    return [sys.executable, "-m", "stowaway", "run", "--storage", str(storage), "--job", "demo", "--",
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            str(ROOT / "examples" / "train.py"), "--steps", str(STEPS)]
+    return local_job(storage, "demo", 2, ROOT / "examples" / "train.py", "--steps", str(STEPS))
 
 
 def final_checkpoint(storage: Path) -> list[dict]:

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from data_path.processes import local_job
 from data_path.stored import rank_files
 from stowaway import CheckpointCorrupt, Checkpointer, UnsupportedState, read_checkpoint
 from stowaway.format import codec, template
@@ -196,14 +196,15 @@ def test_read_checkpoint_refuses_what_it_cannot_read_with_what_to_do(start_sidec
         read_checkpoint(job)
 
 
-def fsdp2_job(storage: Path, steps: int) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "stowaway", "run", "--storage", str(storage), "--job", "fsdp2", "--",
-               sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(ROOT / "examples" / "train_fsdp2.py"), "--steps", str(steps)]
+def finished(command: list[str]) -> subprocess.CompletedProcess[str]:
     job = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          timeout=240)
     assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
     return job
+
+
+def fsdp2_job(storage: Path, steps: int) -> subprocess.CompletedProcess[str]:
+    return finished(local_job(storage, "fsdp2", 2, ROOT / "examples" / "train_fsdp2.py", "--steps", str(steps)))
 
 
 @pytest.mark.slow
@@ -238,12 +239,8 @@ def test_an_fsdp2_job_stopped_and_resumed_ends_identical_to_an_uninterrupted_one
 @pytest.mark.timeout(300)
 def test_fsdp2_over_tensor_parallelism_restores_in_the_job_and_reads_whole_outside_it(short_tmp):
     full_path = short_tmp / "full.pt"
-    command = [sys.executable, "-m", "stowaway", "run", "--storage", str(short_tmp / "s"), "--job", "tp", "--",
-               sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-               str(Path(__file__).with_name("tensor_parallel_worker.py")), str(full_path)]
-    job = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                         timeout=240)
-    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
+    finished(local_job(short_tmp / "s", "tp", 4, Path(__file__).with_name("tensor_parallel_worker.py"),
+                       str(full_path)))
 
     step, whole = read_checkpoint(short_tmp / "s" / "tp")
     assert step == 1
