@@ -66,7 +66,10 @@ class ResidentBuffer:
 
 
 def copy_into(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Plain ``copy_``: from a GPU, the device-to-host copy an in-process saver makes into pageable memory."""
+    """Plain ``copy_``: from a GPU, the device-to-host copy an in-process saver makes into pageable memory.
+
+    Back the other way, into the state's own tensors, it is the floor of a restore in place.
+    """
     for target, source in zip(targets, sources, strict=True):
         target.copy_(source)
 

@@ -82,7 +82,8 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[5])
 
     with Checkpointer() as ckpt:
-        restored = ckpt.load()
+        # Into the model's own parameters: the restore does not hold a second copy of the model.
+        restored = ckpt.load(into={"model": model.module.state_dict()})
         start = 0
         if restored is not None:
             step, state = restored

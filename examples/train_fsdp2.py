@@ -4,11 +4,13 @@
 
 Each rank saves its own shards: the model's and the optimizer's states are
 DTensors, stored as this rank's local shard with their placements. ``load``
-rebuilds them on the mesh passed as ``device_mesh``, the one given to
-``fully_shard``. Run it again with more ``--steps`` and it continues from the
-last committed step; on CPUs (gloo, the default) exactly as an uninterrupted
-run would. ``--device cuda`` runs it on GPUs (NCCL), where kernels need not
-be deterministic.
+writes the model's shards straight into its parameters (``into``), and
+rebuilds the optimizer's, which do not exist before its first step, on the
+mesh passed as ``device_mesh``, the one given to ``fully_shard``. Run it
+again with more ``--steps`` and it continues from the last committed step;
+on CPUs (gloo, the default) exactly as an uninterrupted run would.
+``--device cuda`` runs it on GPUs (NCCL), where kernels need not be
+deterministic.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def main() -> None:
     random.seed(99 + rank)
 
     with Checkpointer() as ckpt:
-        restored = ckpt.load(map_location=args.device, device_mesh=mesh)
+        # The model's state is loaded into its own parameters, so it is never held twice on the device.
+        restored = ckpt.load(map_location=args.device, device_mesh=mesh, into={"model": model.state_dict()})
         start = 0
         if restored is not None:
             step, state = restored

@@ -137,6 +137,40 @@ def test_each_save_of_a_sharded_training_loop_is_encoded_from_the_template_and_r
             assert torch.equal(restored["model"]["w"].to_local(), torch.arange(12.0).reshape(3, 4) + step - 1)
 
 
+def local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def test_a_load_into_dtensors_fills_their_shards_without_a_mesh_argument(start_sidecar, meshes):
+    fsdp, grid = meshes
+    original = sharded_state(fsdp, grid)
+    sidecar = start_sidecar()
+    with Checkpointer(job="dt", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt:
+        ckpt.save(1, original).wait(30)
+        into = sharded_state(fsdp, grid)
+        with torch.no_grad():
+            for group in ("model", "optim"):
+                for value in into[group].values():
+                    local(value).zero_()
+        step, restored = ckpt.load(into=into)
+        assert step == 1
+        for group in ("model", "optim"):
+            for key, value in into[group].items():
+                assert restored[group][key] is value, f"{group}.{key} came back as a new object"
+                assert torch.equal(local(value), local(original[group][key])), f"{group}.{key}"
+        assert restored["epoch"] == 3
+
+        into["model"]["tp"] = distribute_tensor(torch.zeros(4, 6), grid, [Shard(1), Shard(0)])
+        into["model"]["w"] = torch.zeros(3, 4)
+        with pytest.raises(UnsupportedState, match=r"into\['model'\]\['w'\] is a tensor, where the checkpoint holds a "
+                                                   r"DTensor; into\['model'\]\['tp'\] is a DTensor of shape \[4, 6\] "
+                                                   r"placed \(Shard\(dim=1\), Shard\(dim=0\)\) over ranks \[\[0\]\], "
+                                                   r"where the checkpoint holds one of shape \[4, 6\] placed "
+                                                   r"\(Shard\(dim=0\), Shard\(dim=1\)\) over ranks \[\[0\]\]"):
+            ckpt.load(into=into)
+        assert not into["model"]["tp"].to_local().any() and not into["model"]["w"].any()
+
+
 def test_dtensors_from_local_cannot_rebuild_are_refused_with_their_path(start_sidecar, meshes):
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
     from torch.distributed.tensor.placement_types import _MaskPartial

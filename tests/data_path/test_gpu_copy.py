@@ -59,6 +59,23 @@ def test_restore_onto_the_device(start_sidecar):
         assert torch.equal(restored[name].cpu(), tensor.cpu()), name
 
 
+def test_a_load_into_device_tensors_fills_them_before_returning(start_sidecar):
+    sidecar = start_sidecar()
+    state = device_state()
+    expected = {name: tensor.clone() for name, tensor in state.items()}
+    with Checkpointer(job="gpu", socket=sidecar.socket, rank=0, world_size=1, timeout=60) as ckpt:
+        ckpt.save(3, state).wait(60)
+        for tensor in state.values():
+            tensor.zero_()
+        step, restored = ckpt.load(into=state)
+        # The slot is written again right away: the copies out of it must already be complete.
+        ckpt.save(4, {name: torch.zeros_like(tensor) for name, tensor in state.items()}).wait(60)
+    assert step == 3
+    for name, tensor in state.items():
+        assert restored[name] is tensor and tensor.device == expected[name].device
+        assert torch.equal(tensor, expected[name]), name
+
+
 def test_a_dtensor_shard_on_the_device_comes_back_on_the_device_mesh(start_sidecar):
     """FSDP2 on GPUs: the local shard is a device tensor, copied into the pinned slot like any other."""
     from torch.distributed.device_mesh import init_device_mesh

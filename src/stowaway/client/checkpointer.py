@@ -160,7 +160,7 @@ class Checkpointer:
         return handle
 
     def load(self, step: int | None = None, map_location: Any = "cpu",
-             device_mesh: Any = None) -> tuple[int, Any] | None:
+             device_mesh: Any = None, *, into: Any = None) -> tuple[int, Any] | None:
         """Restore the newest step every rank can restore (or ``step``); None when there is none.
 
         From shared memory when this rank's slot still holds the step intact,
@@ -170,6 +170,15 @@ class Checkpointer:
         DTensors (FSDP2, tensor parallelism) are rebuilt on ``device_mesh``
         (a ``DeviceMesh``, or a sequence of them): the mesh, or meshes, they
         were saved on.
+
+        ``into`` (a state shaped as the saved one, e.g. ``{"model":
+        model.state_dict(), ...}``) receives the bytes in its own tensors,
+        which come back in the state in place of new ones: the state is not
+        held twice, on the host or the GPU. Every tensor of ``into`` must have
+        a stored counterpart of the same dtype, shape and DTensor layout,
+        checked before anything is written; whatever ``into`` lacks comes back
+        new, as without it. If a step cannot be read after its bytes were
+        written, ``into`` receives the next older one.
         """
         meshes = dtensors.given_meshes(device_mesh)
         if self.world_size > self.local_world_size and not agreement.active(self.world_size):
@@ -196,10 +205,10 @@ class Checkpointer:
             error, refused, state, source = None, None, None, "memory"
             try:
                 if candidate in in_memory:
-                    state = self._read_slot(pool.slots[in_memory[candidate]], candidate, map_location, meshes)
+                    state = self._read_slot(pool.slots[in_memory[candidate]], candidate, map_location, meshes, into)
                 else:
                     source = "storage"
-                    state = self._restore_from_storage(candidate, sizes[candidate], map_location, meshes)
+                    state = self._restore_from_storage(candidate, sizes[candidate], map_location, meshes, into)
             except UnsupportedState as exc:
                 refused = str(exc)
             except (StowawayError, HeaderError) as exc:
@@ -299,7 +308,8 @@ class Checkpointer:
                                          f"{message['type']}: {self._connection.last_error}")
             return self._responses.pop(answer)
 
-    def _restore_from_storage(self, step: int, nbytes: int, map_location: Any, meshes: tuple[Any, ...]) -> Any:
+    def _restore_from_storage(self, step: int, nbytes: int, map_location: Any, meshes: tuple[Any, ...],
+                              into: Any) -> Any:
         slot = self._take_slot(step)
         self._require_pool().ensure_capacity(slot, nbytes)
         self._register(slot)
@@ -309,16 +319,16 @@ class Checkpointer:
         if answer["type"] == "failed":
             raise SaveFailed(answer["reason"])
         slot.generation = max(slot.generation, answer["generation"])
-        return self._read_slot(slot, step, map_location, meshes)
+        return self._read_slot(slot, step, map_location, meshes, into)
 
-    def _read_slot(self, slot: ClientSlot, step: int, map_location: Any, meshes: tuple[Any, ...]) -> Any:
+    def _read_slot(self, slot: ClientSlot, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> Any:
         assert slot.file is not None
         slot.file.refresh()
         slot.drop_view()
         before = slot.file.read_header()
         if not before.complete or before.step != step:
             raise SaveFailed(f"slot {slot.index} no longer holds step {step}")
-        state = codec.read_from(slot.payload(), before.payload_nbytes, map_location, self.allow_pickle, meshes)
+        state = codec.read_from(slot.payload(), before.payload_nbytes, map_location, self.allow_pickle, meshes, into)
         if slot.file.read_header().generation != before.generation:
             raise SaveFailed(f"slot {slot.index} changed while step {step} was read from it")
         return state

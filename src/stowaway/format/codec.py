@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from stowaway.format import dtensors
+from stowaway.format import dtensors, in_place
 from stowaway.format import safetensors_header as st
 from stowaway.format import template as template_mod
 from stowaway.format import tree as tree_mod
@@ -117,14 +117,56 @@ def write_into(encoded: Encoded, payload: torch.Tensor, views: list[torch.Tensor
 
 
 def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickle: bool = False,
-              meshes: tuple[Any, ...] = ()) -> Any:
-    """Rebuild the state dict from a payload, copying every tensor out of the buffer; DTensors go onto ``meshes``."""
-    tree, tensors = decode(payload, nbytes, map_location)
-    return tree_mod.unflatten(tree, tensors, dtensors.Rebuilder(tree, meshes), allow_pickle)
+              meshes: tuple[Any, ...] = (), into: Any = None) -> Any:
+    """Rebuild the state dict from a payload, copying every tensor out of the buffer; DTensors go onto ``meshes``.
+
+    With ``into``, the tensors it holds receive their stored bytes and come
+    back in place of new ones (``format.in_place``).
+    """
+    tree, views = _parsed(payload, nbytes)
+    rebuilder = dtensors.Rebuilder(tree, meshes)
+    if into is None:
+        return tree_mod.unflatten(tree, _copies(views, map_location), rebuilder, allow_pickle)
+    destinations = in_place.match(tree, views, into)
+    destinations.fill(views)
+    filled = {name for name, _ in destinations.targets}
+    tensors = _CopiedOnDemand(views, map_location)
+    tensors.update(_copies({name: view for name, view in views.items() if name not in filled}, map_location))
+    return tree_mod.unflatten(tree, tensors, rebuilder, allow_pickle, destinations.by_node)
 
 
 def decode(payload: torch.Tensor, nbytes: int, map_location: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A payload's state tree, and a copy of each of its tensors by name (for ``tree.unflatten``)."""
+    tree, views = _parsed(payload, nbytes)
+    return tree, _copies(views, map_location)
+
+
+def _copies(views: dict[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:
+    if torch.device(map_location) == torch.device("cpu"):
+        return {name: view.clone() for name, view in views.items()}
+    return {name: view.to(map_location, copy=True) for name, view in views.items()}
+
+
+class _CopiedOnDemand(dict[str, torch.Tensor]):
+    """Copies of a payload's tensors by name; one not copied up front is copied when first asked for.
+
+    ``load(into=...)`` fills the caller's tensors instead of copying, but a
+    stored tensor may also appear where ``into`` has none (one half of a
+    tie): that one is copied when the tree reaches it.
+    """
+
+    def __init__(self, views: dict[str, torch.Tensor], map_location: Any) -> None:
+        super().__init__()
+        self._views = views
+        self._map_location = map_location
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        copy = self[name] = _copies({name: self._views[name]}, self._map_location)[name]
+        return copy
+
+
+def _parsed(payload: torch.Tensor, nbytes: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A payload's state tree, and a view of the payload for each of its tensors by name."""
     raw = memoryview(payload.numpy())
     layout, metadata = st.parse(raw, nbytes)
     try:
@@ -132,11 +174,7 @@ def decode(payload: torch.Tensor, nbytes: int, map_location: Any) -> tuple[dict[
     except (KeyError, json.JSONDecodeError) as exc:
         raise st.HeaderError(f"payload carries no Stowaway state tree: {exc}") from exc
     views = _views(payload, layout, layout.tensors)
-    if torch.device(map_location) == torch.device("cpu"):
-        copies = [view.clone() for view in views]
-    else:
-        copies = [view.to(map_location, copy=True) for view in views]
-    return tree, {item.spec.name: copy for item, copy in zip(layout.tensors, copies, strict=True)}
+    return tree, {item.spec.name: view for item, view in zip(layout.tensors, views, strict=True)}
 
 
 def _views(payload: torch.Tensor, layout: st.Layout, items: list[st.Placed]) -> list[torch.Tensor]:

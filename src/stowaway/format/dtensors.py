@@ -121,6 +121,25 @@ def encode(facts: tuple[Any, ...], local_node: dict[str, Any], shown_path: str, 
     return node
 
 
+def layout_mismatch(node: dict[str, Any], value: Any, saved_meshes: list[dict[str, Any]]) -> str | None:
+    """Why the DTensor stored as ``node`` cannot be loaded into the caller's DTensor ``value``; None if it can.
+
+    Each rank's file holds its own shard only, so the two must be laid out
+    alike: the same placements and global shape, over the same ranks.
+    """
+    try:
+        placements = [_encode_placement(placement, "") for placement in value.placements]
+    except UnsupportedState:
+        placements = None
+    ranks = value.device_mesh.mesh.tolist()
+    saved_ranks = saved_meshes[node["m"]]["ranks"]
+    if placements == node["pl"] and list(value.shape) == node["sh"] and ranks == saved_ranks:
+        return None
+    saved_placements = tuple(_decode_placement(item) for item in node["pl"])
+    return (f"a DTensor of shape {list(value.shape)} placed {tuple(value.placements)} over ranks {ranks}, where "
+            f"the checkpoint holds one of shape {node['sh']} placed {saved_placements} over ranks {saved_ranks}")
+
+
 class Rebuilder:
     """Rebuilds a load's DTensors on the caller's meshes, each mesh matched to a saved one once."""
 

@@ -67,7 +67,7 @@ class _Flattener:
             dtensor = dtensors.dtensor_type()
             if dtensor is not None and isinstance(value, dtensor):
                 local, facts = dtensors.split(value)
-                return dtensors.encode(facts, self._tensor(local, path), _show(path), self.meshes)
+                return dtensors.encode(facts, self._tensor(local, path), show_path(path), self.meshes)
             return self._tensor(value, path)
         if isinstance(value, np.ndarray):
             stored = self._tensor(numpy_as_tensor(value, path), path)["T"]
@@ -85,7 +85,7 @@ class _Flattener:
             blob = np.frombuffer(pickle.dumps(value), dtype=np.uint8).copy()
             return {"pk": self._tensor(torch.from_numpy(blob), path)["T"]}
         raise UnsupportedState(
-            f"state at {_show(path)} is a {type(value).__module__}.{type(value).__qualname__}, which "
+            f"state at {show_path(path)} is a {type(value).__module__}.{type(value).__qualname__}, which "
             "Stowaway stores only as tensors, numbers, strings, None, lists, tuples and dicts; "
             "convert it (for example to its state_dict()) or pass allow_pickle=True to "
             "Checkpointer to store it pickled"
@@ -99,7 +99,7 @@ class _Flattener:
             elif key is None or isinstance(key, str | int | float | bool):
                 encoded_key = _scalar_node(key)
             else:
-                raise UnsupportedState(f"state at {_show(path)} has a key of type {type(key).__name__}")
+                raise UnsupportedState(f"state at {show_path(path)} has a key of type {type(key).__name__}")
             items.append([encoded_key, self.node(item, (*path, key))])
         encoded: dict[str, Any] = {"d": items}
         if type(value) is OrderedDict:
@@ -112,15 +112,15 @@ class _Flattener:
     def _tensor(self, tensor: torch.Tensor, path: Path) -> dict[str, Any]:
         if tensor.layout != torch.strided:
             raise UnsupportedState(
-                f"tensor at {_show(path)} has layout {tensor.layout}; store it dense (tensor.to_dense()) "
+                f"tensor at {show_path(path)} has layout {tensor.layout}; store it dense (tensor.to_dense()) "
                 "or as its components"
             )
         if tensor.dtype not in _STORABLE_DTYPES:
-            raise UnsupportedState(f"tensor at {_show(path)} has dtype {tensor.dtype}, which Stowaway cannot store")
+            raise UnsupportedState(f"tensor at {show_path(path)} has dtype {tensor.dtype}, which Stowaway cannot store")
         if not _has_own_data(tensor):
             # Copying from one fails deep inside torch ("got mixed torch.Tensor and DTensor"), after the slot is taken.
             raise UnsupportedState(
-                f"tensor at {_show(path)} is a {type(tensor).__module__}.{type(tensor).__qualname__} on "
+                f"tensor at {show_path(path)} is a {type(tensor).__module__}.{type(tensor).__qualname__} on "
                 f"{tensor.device} with no data of its own: a meta tensor, or a subclass that wraps other tensors. "
                 "Store plain tensors or DTensors (for a wrapper, the tensors it wraps)"
             )
@@ -162,14 +162,18 @@ def flatten(state: Any, allow_pickle: bool = False) -> Flat:
 
 
 def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor], dtensor_builder: DTensorBuilder,
-              allow_pickle: bool = False) -> Any:
-    """The state ``flatten`` was given; ``dtensor_builder`` makes what each DTensor node becomes."""
+              allow_pickle: bool = False, replaced: dict[int, Any] | None = None) -> Any:
+    """The state ``flatten`` was given; ``dtensor_builder`` makes what each DTensor node becomes.
+
+    ``replaced`` maps the ``id`` of tensor and DTensor nodes to what comes back there instead: the
+    caller's own tensors, which ``load(into=...)`` filled (``format.in_place``).
+    """
     if tree.get("version") not in (TREE_VERSION, DTENSOR_TREE_VERSION):
         raise UnsupportedState(
             f"state tree version {tree.get('version')} is not readable by this release "
             f"(reads {TREE_VERSION} and {DTENSOR_TREE_VERSION}); upgrade Stowaway"
         )
-    return _Unflattener(tensors, allow_pickle, dtensor_builder).node(tree["root"])
+    return _Unflattener(tensors, allow_pickle, dtensor_builder, replaced or {}).node(tree["root"])
 
 
 class DTensorBuilder(Protocol):
@@ -180,10 +184,12 @@ class DTensorBuilder(Protocol):
 
 
 class _Unflattener:
-    def __init__(self, tensors: dict[str, torch.Tensor], allow_pickle: bool, rebuilder: DTensorBuilder) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], allow_pickle: bool, rebuilder: DTensorBuilder,
+                 replaced: dict[int, Any]) -> None:
         self.tensors = tensors
         self.allow_pickle = allow_pickle
         self.rebuilder = rebuilder
+        self.replaced = replaced
         self._parameters: dict[str, torch.nn.Parameter] = {}
         self._arrays: dict[str, np.ndarray] = {}
         self._dtensors: dict[str, Any] = {}
@@ -214,6 +220,8 @@ class _Unflattener:
         raise UnsupportedState(f"state tree holds an unknown node {sorted(encoded)}")
 
     def _tensor(self, encoded: dict[str, Any]) -> torch.Tensor:
+        if self.replaced and id(encoded) in self.replaced:
+            return self.replaced[id(encoded)]
         tensor = self.tensors[encoded["T"]]
         if "P" not in encoded:
             return tensor
@@ -222,6 +230,8 @@ class _Unflattener:
         return self._parameters[encoded["T"]]
 
     def _dtensor(self, encoded: dict[str, Any]) -> Any:
+        if self.replaced and id(encoded) in self.replaced:
+            return self.replaced[id(encoded)]
         # One DTensor object per stored one, as tied plain tensors come back as one object.
         key = json.dumps(encoded, sort_keys=True)
         if key not in self._dtensors:
@@ -261,6 +271,11 @@ def _has_own_data(tensor: torch.Tensor) -> bool:
         return False
 
 
+def key_of(encoded: dict[str, Any]) -> Any:
+    """A mapping key as stored by ``_Flattener._mapping``: a scalar node."""
+    return float(encoded["f"]) if "f" in encoded else encoded["v"]
+
+
 def _scalar_node(value: Any) -> dict[str, Any]:
     if isinstance(value, float) and not math.isfinite(value):
         return {"f": repr(value)}
@@ -270,7 +285,7 @@ def _scalar_node(value: Any) -> dict[str, Any]:
 def numpy_as_tensor(array: np.ndarray, path: Path = ()) -> torch.Tensor:
     """The array's bytes as a tensor of an integer dtype of the same width (its dtype goes into the tree)."""
     if array.dtype.hasobject:
-        raise UnsupportedState(f"numpy array at {_show(path)} holds Python objects")
+        raise UnsupportedState(f"numpy array at {show_path(path)} holds Python objects")
     contiguous = np.ascontiguousarray(array)
     raw = torch.from_numpy(contiguous.reshape(-1).view(np.uint8))
     element = contiguous.dtype.itemsize
@@ -280,5 +295,5 @@ def numpy_as_tensor(array: np.ndarray, path: Path = ()) -> torch.Tensor:
     return raw
 
 
-def _show(path: Path) -> str:
-    return "state" + "".join(f"[{part!r}]" for part in path)
+def show_path(path: Path, root: str = "state") -> str:
+    return root + "".join(f"[{part!r}]" for part in path)

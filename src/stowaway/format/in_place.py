@@ -1,0 +1,156 @@
+"""``load(into=...)``: a checkpoint's bytes copied into the caller's own tensors instead of new ones.
+
+A restore into new tensors holds the state twice until the caller has copied
+it into the model and dropped the copy: twice the host memory, or with
+``map_location="cuda"`` twice the GPU memory, which a model that fills its
+GPUs does not have. Loading into the tensors the model and optimizer already
+hold (``model.state_dict()`` shares the parameters' storage) writes each byte
+once, where it is used, and a DTensor keeps its mesh without ``from_local``.
+
+The caller's state is walked alongside the stored tree, by key and index.
+Every pair is checked before the first byte is written, so a state that does
+not fit leaves the caller's tensors as they were; and every tensor of the
+caller's state must receive bytes, so a renamed or missing key cannot leave
+part of a model silently untouched.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stowaway.errors import UnsupportedState
+from stowaway.format import dtensors
+from stowaway.format import tree as tree_mod
+
+_PROBLEMS_SHOWN = 5
+_KINDS = {"T": "a tensor", "D": "a DTensor", "N": "a numpy array", "d": "a dict", "l": "a list", "t": "a tuple",
+          "pk": "a pickled object", "S": "a torch.Size", "dt": "a dtype"}
+
+
+@dataclass
+class Destinations:
+    # The caller's object that ``tree.unflatten`` returns at each matched node, by the node's id.
+    by_node: dict[int, Any] = field(default_factory=dict)
+    # The stored tensor's name, and the tensor its bytes go into (a DTensor's local shard).
+    targets: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+    def fill(self, views: dict[str, torch.Tensor]) -> None:
+        """Copy each stored tensor into its destinations, all of them before returning."""
+        if not self.targets:
+            return
+        with torch.no_grad():
+            # Synchronous even into a GPU: the slot may be written again as soon as load returns.
+            torch._foreach_copy_([target for _, target in self.targets], [views[name] for name, _ in self.targets])
+
+
+def match(tree: dict[str, Any], views: dict[str, torch.Tensor], into: Any) -> Destinations:
+    """Pair every tensor of ``into`` with the stored tensor at its path; ``views`` are the stored tensors by name.
+
+    Raises ``UnsupportedState`` naming what does not fit (up to five paths)
+    when a tensor of ``into`` has no stored counterpart, or one of another
+    kind, dtype, shape or DTensor layout.
+    """
+    matcher = _Matcher(tree.get("meshes", []), views)
+    with torch.no_grad():
+        matcher.walk(tree["root"], into, ())
+    problems = matcher.problems
+    if problems:
+        more = f"; and {len(problems) - _PROBLEMS_SHOWN} more" if len(problems) > _PROBLEMS_SHOWN else ""
+        raise UnsupportedState(
+            "load(into=...) was given a state that does not fit the checkpoint, so none of its tensors was "
+            f"written: {'; '.join(problems[:_PROBLEMS_SHOWN])}{more}. Pass the state as it was saved (the same "
+            "keys, dtypes, shapes and DTensor layouts), or leave into out to get new tensors"
+        )
+    return matcher.destinations
+
+
+class _Matcher:
+    def __init__(self, saved_meshes: list[dict[str, Any]], views: dict[str, torch.Tensor]) -> None:
+        self.saved_meshes = saved_meshes
+        self.views = views
+        self.dtensor = dtensors.dtensor_type()
+        self.destinations = Destinations()
+        self.problems: list[str] = []
+
+    def walk(self, node: dict[str, Any], value: Any, path: tree_mod.Path) -> None:
+        # Exact types first: a state of thousands of tensors is walked on every load(into=...).
+        kind = type(value)
+        if kind is torch.Tensor or isinstance(value, torch.Tensor):
+            self._tensor(node, value, path)
+        elif (kind is dict or kind is OrderedDict or isinstance(value, Mapping)) and "d" in node:
+            stored = {key["v"] if "v" in key else tree_mod.key_of(key): child for key, child in node["d"]}
+            for key, item in value.items():
+                if key in stored:
+                    self.walk(stored[key], item, (*path, key))
+                else:
+                    self._unmatched(item, (*path, key), "nothing")
+        elif isinstance(value, list | tuple) and ("l" in node or "t" in node):
+            items = node.get("l", node.get("t"))
+            for index, item in enumerate(value):
+                if index < len(items):
+                    self.walk(items[index], item, (*path, index))
+                else:
+                    self._unmatched(item, (*path, index), "nothing")
+        else:
+            self._unmatched(value, path, _describe(node))
+
+    def _tensor(self, node: dict[str, Any], value: torch.Tensor, path: tree_mod.Path) -> None:
+        is_dtensor = self.dtensor is not None and type(value) is not torch.Tensor and isinstance(value, self.dtensor)
+        if "T" in node and not is_dtensor:
+            name, local = node["T"], value
+        elif "D" in node and is_dtensor:
+            problem = dtensors.layout_mismatch(node, value, self.saved_meshes)
+            if problem is not None:
+                self.problems.append(f"{tree_mod.show_path(path, 'into')} is {problem}")
+                return
+            name, local = node["D"]["T"], value.to_local()
+        else:
+            kind = "a DTensor" if is_dtensor else "a tensor"
+            self.problems.append(f"{tree_mod.show_path(path, 'into')} is {kind}, where the checkpoint "
+                                 f"holds {_describe(node)}")
+            return
+        stored = self.views[name]
+        if local.dtype is not stored.dtype or local.shape != stored.shape:
+            shard = " (this rank's shard)" if is_dtensor else ""
+            self.problems.append(
+                f"{tree_mod.show_path(path, 'into')}{shard} is {local.dtype} of shape {list(local.shape)}, where the "
+                f"checkpoint holds {stored.dtype} of shape {list(stored.shape)}"
+            )
+            return
+        self.destinations.by_node[id(node)] = value
+        self.destinations.targets.append((name, local))
+
+    def _unmatched(self, value: Any, path: tree_mod.Path, stored: str) -> None:
+        """A part of ``into`` the checkpoint has no tensors for: a problem if it holds a tensor."""
+        found = _first_tensor(value, path)
+        if found is not None:
+            self.problems.append(f"{tree_mod.show_path(found, 'into')} is a tensor, where the checkpoint holds {stored}"
+                                 + (f" at {tree_mod.show_path(path, 'into')}" if found != path else ""))
+
+
+def _first_tensor(value: Any, path: tree_mod.Path) -> tree_mod.Path | None:
+    if isinstance(value, torch.Tensor):
+        return path
+    if isinstance(value, Mapping):
+        children: Any = value.items()
+    elif isinstance(value, list | tuple):
+        children = enumerate(value)
+    else:
+        return None
+    for key, item in children:
+        found = _first_tensor(item, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def _describe(node: dict[str, Any]) -> str:
+    for tag, kind in _KINDS.items():
+        if tag in node:
+            return kind
+    return "a value" if "v" in node or "f" in node else "something else"
