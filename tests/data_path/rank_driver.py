@@ -51,14 +51,19 @@ def main() -> None:
             elif op == "done":
                 reply({"done": handles[command["step"]].done()})
             elif op == "load":
-                found = ckpt.load(command.get("step"))
+                # With "into", into a tensor of the rank's own: reports whether it came back in place.
+                into = {"w": torch.zeros(command["into"], dtype=torch.float64)} if "into" in command else None
+                found = ckpt.load(command.get("step"), into=into)
                 if found is None:
                     reply({"step": None})
                 else:
                     step, state = found
                     expected = pattern(ckpt.rank, step)
                     intact = bool((state["w"] == expected).all()) and state["step"] == step
-                    reply({"step": step, "intact": intact, "numel": state["w"].numel()})
+                    answer = {"step": step, "intact": intact, "numel": state["w"].numel()}
+                    if into is not None:
+                        answer["in_place"] = state["w"] is into["w"]
+                    reply(answer)
             elif op == "join_group":
                 # Blocks until every rank of the group has joined: send it to all of them before reading.
                 dist.init_process_group("gloo", init_method=f"file://{command['store']}", rank=ckpt.rank,

@@ -175,6 +175,40 @@ def test_ranks_in_a_process_group_restore_the_same_step_when_one_ranks_newest_fi
     join_group(fresh, short_tmp / "group-2")
     assert collective(fresh, op="load") == [{"step": 1, "intact": True, "numel": 1024}] * 2
     assert "step 2 cannot be restored on rank 1" in fresh[0].log_path.read_text()
+    # Step 1 is now in the ranks' slots, and step 2 is staged into those very slots before the ranks learn that
+    # rank 1 cannot restore it: step 1 must then come from storage (a second load used to fail here).
+    assert collective(fresh, op="load") == [{"step": 1, "intact": True, "numel": 1024}] * 2
+    # Into tensors of their own: rank 0 reads step 2 from storage into its tensor before the ranks learn that
+    # rank 1 cannot; the tensor must end up holding step 1, as rank 1's does.
+    assert collective(fresh, op="load", into=1024) == [{"step": 1, "intact": True, "numel": 1024,
+                                                         "in_place": True}] * 2
+
+
+def test_a_load_into_the_state_that_finds_no_restorable_step_raises_instead_of_returning_none(
+    start_sidecar, start_rank, storage, short_tmp
+):
+    """None means "start from scratch", but by then rank 0 has copied step 1 into the tensors it was given."""
+    sidecar = start_sidecar()
+    ranks = [start_rank(sidecar, job="none", rank=rank, world_size=2) for rank in range(2)]
+    join_group(ranks, short_tmp / "group-1")
+    for rank in ranks:
+        rank.save(1)
+    for rank in ranks:
+        assert rank.wait(1)["committed"]
+    for rank in ranks:
+        rank.exit()
+    assert sidecar.stop() == 0
+    flip_a_bit(step_dir(storage, "none", 1) / layout.rank_file_name(1, 2))
+
+    shutil.rmtree(sidecar.shm_dir)
+    sidecar.start()
+    fresh = [start_rank(sidecar, job="none", rank=rank, world_size=2) for rank in range(2)]
+    join_group(fresh, short_tmp / "group-2")
+    assert collective(fresh, op="load") == [{"step": None}] * 2, "without into, nothing to restore is None"
+    for answer in collective(fresh, op="load", into=1024):
+        assert answer["type"] == "SaveFailed", answer
+        assert "no committed step of job none can be restored (step 1 rank 1:" in answer["error"]
+        assert "re-initialise them before training from scratch" in answer["error"]
 
 
 def flip_a_bit(path):

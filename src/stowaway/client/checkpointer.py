@@ -177,8 +177,9 @@ class Checkpointer:
         held twice, on the host or the GPU. Every tensor of ``into`` must have
         a stored counterpart of the same dtype, shape and DTensor layout,
         checked before anything is written; whatever ``into`` lacks comes back
-        new, as without it. If a step cannot be read after its bytes were
-        written, ``into`` receives the next older one.
+        new, as without it. If a step cannot be restored on every rank after
+        some rank wrote it into ``into``, the next older one is written over
+        it; if none can be, ``load`` raises instead of returning None.
         """
         meshes = dtensors.given_meshes(device_mesh)
         if self.world_size > self.local_world_size and not agreement.active(self.world_size):
@@ -204,9 +205,11 @@ class Checkpointer:
         for candidate in candidates:
             error, refused, state, source = None, None, None, "memory"
             try:
-                if candidate in in_memory:
-                    state = self._read_slot(pool.slots[in_memory[candidate]], candidate, map_location, meshes, into)
+                slot = pool.slots[in_memory[candidate]] if candidate in in_memory else None
+                if slot is not None and self._holds(slot, candidate):
+                    state = self._read_slot(slot, candidate, map_location, meshes, into)
                 else:
+                    # Also when the slot held it at the inventory but a newer candidate was staged into it since.
                     source = "storage"
                     state = self._restore_from_storage(candidate, sizes[candidate], map_location, meshes, into)
             except UnsupportedState as exc:
@@ -227,6 +230,13 @@ class Checkpointer:
         if step is not None:
             detail = "; ".join(problems) or "it is not committed in storage"
             raise SaveFailed(f"rank {self.rank}: step {step} of job {self.job} cannot be restored: {detail}")
+        if into is not None and problems:
+            # None would mean "start from scratch", with tensors that some step may already have been copied into.
+            raise SaveFailed(
+                f"rank {self.rank}: no committed step of job {self.job} can be restored ({'; '.join(problems)}), "
+                "and load(into=...) may have written one of them into the given tensors on some ranks before "
+                "that was known; re-initialise them before training from scratch"
+            )
         return None
 
     @property
@@ -320,6 +330,14 @@ class Checkpointer:
             raise SaveFailed(answer["reason"])
         slot.generation = max(slot.generation, answer["generation"])
         return self._read_slot(slot, step, map_location, meshes, into)
+
+    @staticmethod
+    def _holds(slot: ClientSlot, step: int) -> bool:
+        if slot.file is None:
+            return False
+        slot.file.refresh()
+        found = slot.file.read_header()
+        return found.complete and found.step == step
 
     def _read_slot(self, slot: ClientSlot, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> Any:
         assert slot.file is not None
