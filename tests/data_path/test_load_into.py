@@ -101,6 +101,8 @@ def test_what_into_lacks_comes_back_new(start_sidecar):
         fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
         step, restored = ckpt.load(into={"model": model.state_dict(), "optim": fresh.state_dict(),
                                          "tied": (mine, None)})
+        with pytest.raises(UnsupportedState, match=r"into is a Sequential: pass its state_dict\(\)"):
+            ckpt.load(into=model)
     assert step == 1
     assert_model_holds(model, saved)
     assert torch.equal(restored["optim"]["state"][0]["exp_avg"], saved["exp_avg"][0])
@@ -119,9 +121,10 @@ def test_what_into_lacks_comes_back_new(start_sidecar):
      r"into\['model'\]\['2.bias'\] is torch.float64 of shape \[8\]"),
     (lambda into: into.update(epoch=torch.tensor(4)), r"into\['epoch'\] is a tensor, where the checkpoint holds "
                                                       r"a value"),
+    (lambda into: into.update(model=nn.Linear(8, 8)), r"into\['model'\] is a Linear: pass its state_dict\(\)"),
     (lambda into: into.update(optim=[torch.zeros(1)]), r"into\['optim'\]\[0\] is a tensor, where the checkpoint "
                                                        r"holds a dict at into\['optim'\]"),
-])
+], ids=["extra key", "other shape", "other dtype", "tensor for a number", "module", "list for a dict"])
 def test_a_state_that_does_not_fit_is_refused_before_any_tensor_is_written(start_sidecar, mismatch, message):
     model, optimizer = training()
     saved = snapshot(model, optimizer)

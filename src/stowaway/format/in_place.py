@@ -96,6 +96,10 @@ class _Matcher:
                     self.walk(items[index], item, (*path, index))
                 else:
                     self._unmatched(item, (*path, index), "nothing")
+        elif isinstance(value, torch.nn.Module | torch.optim.Optimizer):
+            # Its tensors are not reachable from here: without this, nothing would be written into it, silently.
+            self.problems.append(f"{tree_mod.show_path(path, 'into')} is a {type(value).__name__}: pass its "
+                                 "state_dict(), whose tensors are its own")
         else:
             self._unmatched(value, path, _describe(node))
 
