@@ -206,7 +206,7 @@ class Checkpointer:
             error, refused, state, source = None, None, None, "memory"
             try:
                 slot = pool.slots[in_memory[candidate]] if candidate in in_memory else None
-                if slot is not None and self._holds(slot, candidate):
+                if slot is not None and _header_holding(slot, candidate) is not None:
                     state = self._read_slot(slot, candidate, map_location, meshes, into)
                 else:
                     # Also when the slot held it at the inventory but a newer candidate was staged into it since.
@@ -331,21 +331,12 @@ class Checkpointer:
         slot.generation = max(slot.generation, answer["generation"])
         return self._read_slot(slot, step, map_location, meshes, into)
 
-    @staticmethod
-    def _holds(slot: ClientSlot, step: int) -> bool:
-        if slot.file is None:
-            return False
-        slot.file.refresh()
-        found = slot.file.read_header()
-        return found.complete and found.step == step
-
     def _read_slot(self, slot: ClientSlot, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> Any:
-        assert slot.file is not None
-        slot.file.refresh()
-        slot.drop_view()
-        before = slot.file.read_header()
-        if not before.complete or before.step != step:
+        before = _header_holding(slot, step)
+        if before is None:
             raise SaveFailed(f"slot {slot.index} no longer holds step {step}")
+        assert slot.file is not None
+        slot.drop_view()
         state = codec.read_from(slot.payload(), before.payload_nbytes, map_location, self.allow_pickle, meshes, into)
         if slot.file.read_header().generation != before.generation:
             raise SaveFailed(f"slot {slot.index} changed while step {step} was read from it")
@@ -467,6 +458,15 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _header_holding(slot: ClientSlot, step: int) -> header.SlotHeader | None:
+    """The slot's header if the slot holds ``step`` whole, else None."""
+    if slot.file is None:
+        return None
+    slot.file.refresh()
+    found = slot.file.read_header()
+    return found if found.complete and found.step == step else None
 
 
 def _node_name() -> str:
