@@ -211,6 +211,44 @@ def test_read_checkpoint_gathers_each_dtensor_whole_without_a_sidecar(start_side
         read_checkpoint(storage / "dt", 1)
 
 
+def test_read_checkpoint_into_plain_tensors_gathers_each_dtensor_straight_into_them(start_sidecar, storage, meshes):
+    fsdp, grid = meshes
+    state = sharded_state(fsdp, grid)
+    with Checkpointer(job="dt", socket=start_sidecar().socket, rank=0, world_size=1, timeout=30) as ckpt:
+        ckpt.save(1, state).wait(30)
+        partial = state["optim"].pop("exp_avg")
+        ckpt.save(2, state).wait(30)
+    weight, tied = nn.Parameter(torch.zeros(3, 4)), torch.zeros(3, 4)
+    into = {"model": {"w": weight, "frozen": torch.zeros(5, dtype=torch.bfloat16), "tp": torch.zeros(4, 6),
+                      "strided": torch.zeros(2, 3)},
+            "optim": {"tied": tied, "step": torch.zeros(())}}
+
+    refusals = [
+        (1, into, r"placement \{'p': 'avg'\} cannot be gathered into a whole tensor"),
+        (2, {"model": {"w": state["model"]["w"]}}, r"into\['model'\]\['w'\] is a DTensor, where read_checkpoint "
+                                                   r"gathers the stored DTensor whole: pass a plain tensor of its "
+                                                   r"global shape \[3, 4\]"),
+        (2, {**into, "model": {**into["model"], "tp": torch.zeros(4, 3)}},
+         r"into\['model'\]\['tp'\] is torch.float32 of shape \[4, 3\], where the checkpoint holds a DTensor of "
+         r"torch.float32 whose global shape is \[4, 6\]"),
+    ]
+    for step, given, message in refusals:
+        with pytest.raises(UnsupportedState, match=message):
+            read_checkpoint(storage / "dt", step, into=given)
+        assert not weight.any() and not tied.any(), f"{message}: refused after writing"
+    assert partial.placements[0].is_partial(), "the first step lost its Partial: the test lost its point"
+
+    step, whole = read_checkpoint(storage / "dt", into=into)
+    assert step == 2 and whole["epoch"] == 3
+    assert whole["model"]["w"] is weight and whole["optim"]["tied"] is tied
+    assert torch.equal(weight, torch.arange(12.0).reshape(3, 4)) and torch.equal(tied, weight)
+    assert weight.requires_grad and weight.grad_fn is None
+    for name in ("frozen", "tp", "strided"):
+        assert whole["model"][name] is into["model"][name]
+        assert torch.equal(into["model"][name], state["model"][name].full_tensor()), name
+    assert whole["optim"]["step"] is into["optim"]["step"] and into["optim"]["step"].item() == 7.0
+
+
 def test_read_checkpoint_refuses_what_it_cannot_read_with_what_to_do(start_sidecar, storage):
     with pytest.raises(ValueError, match=r"holds no committed checkpoint: pass a job's directory"):
         read_checkpoint(storage)
@@ -276,9 +314,24 @@ def test_fsdp2_over_tensor_parallelism_restores_in_the_job_and_reads_whole_outsi
     finished(local_job(short_tmp / "s", "tp", 4, Path(__file__).with_name("tensor_parallel_worker.py"),
                        str(full_path)))
 
-    step, whole = read_checkpoint(short_tmp / "s" / "tp")
+    job = short_tmp / "s" / "tp"
+    step, whole = read_checkpoint(job)
     assert step == 1
-    for name, expected in torch.load(full_path).items():
+    full = torch.load(full_path)
+    for name, expected in full.items():
         assert torch.equal(whole["model"][name], expected), f"{name} differs from the job's full_tensor()"
+    # Into a model built whole: each rank's shards go straight into its tensors.
+    into = {"model": {name: torch.zeros_like(expected) for name, expected in full.items()}}
+    _, filled = read_checkpoint(job, into=into)
+    for name, expected in full.items():
+        assert filled["model"][name] is into["model"][name] and torch.equal(into["model"][name], expected), name
+    stored = job / f"step-{1:012d}" / "rank-00003-of-00004.safetensors"
+    data = bytearray(stored.read_bytes())
+    data[-1] ^= 0x01
+    stored.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match=r"rank-00003-of-00004.safetensors does not match the manifest.* "
+                                                r"Tensors of into may have been written before this was found: "
+                                                r"reload them"):
+        read_checkpoint(job, into=into)
     tree = json.loads(rank_files(short_tmp / "s" / "tp" / f"step-{1:012d}", 4)[0]["metadata"]["stowaway.tree"])
     assert '"sf": 2' in json.dumps(tree), "no parameter was a _StridedShard: the test lost its point"

@@ -1,4 +1,4 @@
-"""``load(into=...)`` writes a checkpoint into the training state's own tensors, and returns them.
+"""``load(into=...)`` and ``read_checkpoint(into=...)`` write a checkpoint into the caller's own tensors.
 
 The point is memory: a restore into new tensors holds the state twice until
 the caller copies it into the model. So each test checks that the tensors
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from stowaway import Checkpointer, UnsupportedState
+from stowaway import Checkpointer, UnsupportedState, read_checkpoint
 
 
 def training() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -142,3 +142,31 @@ def test_a_state_that_does_not_fit_is_refused_before_any_tensor_is_written(start
         assert_holds(model, optimizer, moved)
         assert ckpt.load(into=live_state(model, optimizer))[0] == 2
     assert_holds(model, optimizer, saved)
+
+
+def test_read_checkpoint_into_a_model_fills_its_own_tensors_and_refuses_a_state_that_does_not_fit(
+        start_sidecar, storage):
+    model, optimizer = training()
+    saved = snapshot(model, optimizer)
+    with Checkpointer(job="into", socket=start_sidecar().socket, rank=0, world_size=1, timeout=30) as ckpt:
+        ckpt.save(3, {**live_state(model, optimizer), "epoch": 3}).wait(30)
+    train_on(model, optimizer)
+    moved = snapshot(model, optimizer)
+    wrong = live_state(model, optimizer)
+    wrong["model"]["1.weight"] = torch.zeros(8, 9)
+    with pytest.raises(UnsupportedState, match=r"read_checkpoint\(into=\.\.\.\) was given a state that does not fit "
+                                               r"the checkpoint, so none of its tensors was written: "
+                                               r"into\['model'\]\['1.weight'\] is torch.float32 of shape \[8, 9\]"):
+        read_checkpoint(storage / "into", into=wrong)
+    assert_holds(model, optimizer, moved)
+
+    # An evaluation: a model built anew, no optimizer, whose weights are written where they live.
+    fresh = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 16, bias=False))
+    fresh[3].weight = fresh[0].weight
+    into = {"model": fresh.state_dict()}
+    step, restored = read_checkpoint(storage / "into", into=into)
+    assert step == 3 and restored["epoch"] == 3
+    assert_model_holds(fresh, saved)
+    for key, value in into["model"].items():
+        assert restored["model"][key] is value, f"{key} came back as a new tensor"
+    assert torch.equal(restored["optim"]["state"][0]["exp_avg"], saved["exp_avg"][0]), "what into lacks comes back new"

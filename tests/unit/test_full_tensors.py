@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from stowaway import UnsupportedState
 from stowaway.format import tree as tree_mod
-from stowaway.format.full_tensors import Gatherer, mesh_position, shard_indices
+from stowaway.format.full_tensors import Gatherer, check_gatherable, mesh_position, shard_indices
 
 PLACEMENTS = {
     "R": (Replicate(), {"r": 1}),
@@ -63,15 +63,18 @@ def test_a_rank_outside_the_mesh_has_no_position_in_it():
     assert mesh_position([[0, 1]], 2) is None
 
 
-def test_a_partial_is_refused():
-    with pytest.raises(UnsupportedState, match="a Partial is a sum over ranks"):
-        shard_indices([4], (2,), [0], [{"p": "sum"}])
-
-
-def sharded_tree() -> dict:
-    node = {"D": {"T": "w"}, "pl": [{"s": 0}], "sh": [4], "st": [1], "m": 0}
+def sharded_tree(placement: dict | None = None) -> dict:
+    node = {"D": {"T": "w"}, "pl": [placement or {"s": 0}], "sh": [4], "st": [1], "m": 0}
     return {"version": 2, "root": {"d": [[{"v": "w"}, node]]},
             "meshes": [{"ranks": [0, 1], "names": None, "device": "cpu"}]}
+
+
+def test_a_partial_is_refused_before_any_shard_is_read():
+    with pytest.raises(UnsupportedState, match="a Partial is a sum over ranks"):
+        shard_indices([4], (2,), [0], [{"p": "sum"}])
+    with pytest.raises(UnsupportedState, match=r"placement \{'p': 'sum'\} cannot be gathered into a whole tensor"):
+        check_gatherable(sharded_tree({"p": "sum"}))
+    check_gatherable(sharded_tree({"r": 1}))
 
 
 def test_a_dtensor_is_whole_once_every_rank_of_its_mesh_gave_its_shard():
@@ -80,9 +83,24 @@ def test_a_dtensor_is_whole_once_every_rank_of_its_mesh_gave_its_shard():
     gatherer = Gatherer(torch.device("cpu"))
     gatherer.add(0, tree, first)
     with pytest.raises(UnsupportedState, match=r"'w' has no shard in the files of ranks \[1\]"):
-        tree_mod.unflatten(tree, first, gatherer)
+        gatherer.complete()
     gatherer.add(1, tree, {"w": torch.tensor([2.0, 3.0])})
+    gatherer.complete()
     assert torch.equal(tree_mod.unflatten(tree, first, gatherer)["w"], torch.arange(4.0))
+
+
+def test_shards_go_straight_into_the_callers_tensors_and_from_there_into_a_second_destination():
+    tree = sharded_tree()
+    mine = torch.nn.Parameter(torch.zeros(4))
+    second = torch.zeros(4)
+    gatherer = Gatherer(torch.device("cpu"), into={"w": [mine, second, mine]})
+    gatherer.add(0, tree, {"w": torch.tensor([0.0, 1.0])})
+    gatherer.add(1, tree, {"w": torch.tensor([2.0, 3.0])})
+    assert torch.equal(second, torch.zeros(4)), "a second destination is filled once the whole is complete"
+    gatherer.complete()
+    assert torch.equal(mine, torch.arange(4.0)) and torch.equal(second, torch.arange(4.0))
+    assert mine.requires_grad and mine.grad_fn is None, "the caller's parameter stays a leaf"
+    assert tree_mod.unflatten(tree, {"w": torch.zeros(2)}, gatherer)["w"] is mine
 
 
 def test_a_shard_of_another_shape_than_its_placements_give_is_refused():

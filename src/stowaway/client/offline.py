@@ -15,15 +15,13 @@ from typing import Any
 
 import torch
 
-from stowaway.errors import CheckpointCorrupt
-from stowaway.format import codec, dtensors
-from stowaway.format import tree as tree_mod
-from stowaway.format.full_tensors import Gatherer
+from stowaway.errors import CheckpointCorrupt, UnsupportedState
+from stowaway.format import codec, dtensors, full_tensors, in_place
 from stowaway.storage import catalog, direct_io, layout, manifest
 
 
 def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, rank: int = 0,
-                    map_location: Any = "cpu", allow_pickle: bool = False) -> tuple[int, Any]:
+                    map_location: Any = "cpu", allow_pickle: bool = False, into: Any = None) -> tuple[int, Any]:
     """``(step, state)`` of rank ``rank`` in the committed ``step`` (default: the newest) of the job at ``path``.
 
     ``path`` is a job's directory: the sidecar's storage followed by the job
@@ -31,6 +29,13 @@ def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, ra
     gathered from every rank's file: all of them are read, one at a time, and
     the gathered tensors are held in memory (on ``map_location``) together.
     A checkpoint without DTensors reads only the one rank's file.
+
+    ``into`` (a state shaped as the one returned, e.g. ``{"model":
+    model.state_dict()}`` of a model built whole) receives the bytes in its
+    own tensors, which come back in place of new ones, as with ``load``: the
+    weights are not held twice. It is checked against the rank's file before
+    anything is written; a file of another rank found corrupt while DTensors
+    are gathered may leave some of its tensors written, and the error says so.
     """
     job_path = Path(path)
     committed = catalog.committed_steps(job_path)
@@ -46,21 +51,31 @@ def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, ra
     found = manifest.read_manifest(step_path)
     if not 0 <= rank < found.world_size:
         raise ValueError(f"rank {rank} is not one of the {found.world_size} ranks of step {step}")
-    tree, tensors = _decoded(step_path, found.file_for(rank), map_location)
+    tree, views = _parsed(step_path, found.file_for(rank))
+    if tree.get("meshes"):
+        full_tensors.check_gatherable(tree)
+    destinations = None if into is None else in_place.match(tree, views, into, whole_dtensors=True)
     if not tree.get("meshes"):
-        return step, tree_mod.unflatten(tree, tensors, dtensors.Rebuilder(tree, ()), allow_pickle)
-    gatherer = Gatherer(torch.device(map_location))
-    for entry in found.files:
-        if entry.rank == rank:
-            gatherer.add(rank, tree, tensors)
-        else:
-            gatherer.add(entry.rank, *_decoded(step_path, entry, "cpu"))
-    return step, tree_mod.unflatten(tree, tensors, gatherer, allow_pickle)
+        if destinations is not None:
+            destinations.fill(views)
+        return step, codec.rebuilt(tree, views, map_location, dtensors.Rebuilder(tree, ()), allow_pickle,
+                                   destinations)
+    gatherer = full_tensors.Gatherer(torch.device(map_location), destinations and destinations.wholes)
+    try:
+        for entry in found.files:
+            gatherer.add(entry.rank, *((tree, views) if entry.rank == rank else _parsed(step_path, entry)))
+        gatherer.complete()
+    except (CheckpointCorrupt, UnsupportedState) as exc:
+        if destinations is None or not destinations.wholes:
+            raise
+        raise type(exc)(f"{exc}. Tensors of into may have been written before this was found: reload them") from exc
+    if destinations is not None:
+        destinations.fill(views)
+    return step, codec.rebuilt(tree, views, map_location, gatherer, allow_pickle, destinations)
 
 
-def _decoded(step_path: Path, entry: manifest.FileEntry, map_location: Any) -> tuple[dict[str, Any],
-                                                                                   dict[str, torch.Tensor]]:
-    """One rank's file, checked against the manifest, as its state tree and tensors."""
+def _parsed(step_path: Path, entry: manifest.FileEntry) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """One rank's file, checked against the manifest, as its state tree and views of its tensors."""
     path = step_path / entry.name
     buffer = bytearray(entry.bytes)
     fd = direct_io.open_file(path, os.O_RDONLY, direct=False)
@@ -72,4 +87,4 @@ def _decoded(step_path: Path, entry: manifest.FileEntry, map_location: Any) -> t
     if size != entry.bytes or count != entry.bytes or digest != entry.xxh3_64:
         raise CheckpointCorrupt(f"{path} does not match the manifest's size and xxh3-64 checksum; "
                                 "`stowaway verify` names what differs")
-    return codec.decode(torch.frombuffer(buffer, dtype=torch.uint8), entry.bytes, map_location)
+    return codec.parsed(torch.frombuffer(buffer, dtype=torch.uint8), entry.bytes)

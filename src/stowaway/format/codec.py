@@ -123,22 +123,29 @@ def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickl
     With ``into``, the tensors it holds receive their stored bytes and come
     back in place of new ones (``format.in_place``).
     """
-    tree, views = _parsed(payload, nbytes)
-    rebuilder = dtensors.Rebuilder(tree, meshes)
-    if into is None:
-        return tree_mod.unflatten(tree, _copies(views, map_location), rebuilder, allow_pickle)
-    destinations = in_place.match(tree, views, into)
-    destinations.fill(views)
-    filled = {name for name, _ in destinations.targets}
+    tree, views = parsed(payload, nbytes)
+    destinations = None
+    if into is not None:
+        destinations = in_place.match(tree, views, into)
+        destinations.fill(views)
+    return rebuilt(tree, views, map_location, dtensors.Rebuilder(tree, meshes), allow_pickle, destinations)
+
+
+def rebuilt(tree: dict[str, Any], views: dict[str, torch.Tensor], map_location: Any,
+            dtensor_builder: tree_mod.DTensorBuilder, allow_pickle: bool = False,
+            destinations: in_place.Destinations | None = None) -> Any:
+    """The state of a parsed payload, each tensor a copy of its view but where ``destinations`` were filled.
+
+    The views point into a buffer that is reused (a slot) or dropped (a file
+    read): what comes back must not, so every tensor is copied out; a
+    destination already filled holds the bytes and is returned instead.
+    """
+    if destinations is None:
+        return tree_mod.unflatten(tree, _copies(views, map_location), dtensor_builder, allow_pickle)
+    filled = destinations.filled
     tensors = _CopiedOnDemand(views, map_location)
     tensors.update(_copies({name: view for name, view in views.items() if name not in filled}, map_location))
-    return tree_mod.unflatten(tree, tensors, rebuilder, allow_pickle, destinations.by_node)
-
-
-def decode(payload: torch.Tensor, nbytes: int, map_location: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A payload's state tree, and a copy of each of its tensors by name (for ``tree.unflatten``)."""
-    tree, views = _parsed(payload, nbytes)
-    return tree, _copies(views, map_location)
+    return tree_mod.unflatten(tree, tensors, dtensor_builder, allow_pickle, destinations.by_node)
 
 
 def _copies(views: dict[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:
@@ -150,7 +157,7 @@ def _copies(views: dict[str, torch.Tensor], map_location: Any) -> dict[str, torc
 class _CopiedOnDemand(dict[str, torch.Tensor]):
     """Copies of a payload's tensors by name; one not copied up front is copied when first asked for.
 
-    ``load(into=...)`` fills the caller's tensors instead of copying, but a
+    ``into`` fills the caller's tensors instead of copying, but a
     stored tensor may also appear where ``into`` has none (one half of a
     tie): that one is copied when the tree reaches it.
     """
@@ -165,7 +172,7 @@ class _CopiedOnDemand(dict[str, torch.Tensor]):
         return copy
 
 
-def _parsed(payload: torch.Tensor, nbytes: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def parsed(payload: torch.Tensor, nbytes: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A payload's state tree, and a view of the payload for each of its tensors by name."""
     raw = memoryview(payload.numpy())
     layout, metadata = st.parse(raw, nbytes)

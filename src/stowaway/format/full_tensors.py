@@ -42,11 +42,7 @@ def shard_indices(global_shape: list[int], mesh_shape: tuple[int, ...], coordina
         if "r" in placement:
             continue
         if "s" not in placement:
-            raise UnsupportedState(
-                f"placement {placement} cannot be gathered into a whole tensor: a Partial is a sum over ranks "
-                "that only they can reduce; load the checkpoint in the job's layout with load(device_mesh=...) "
-                "and call full_tensor() instead"
-            )
+            raise _not_gatherable(placement)
         dim = placement["s"] % len(global_shape)
         parts, index = mesh_shape[mesh_dim], coordinate[mesh_dim]
         if "sf" in placement:
@@ -55,6 +51,22 @@ def shard_indices(global_shape: list[int], mesh_shape: tuple[int, ...], coordina
         else:
             indices[dim] = _piece(indices[dim], parts, index)
     return indices
+
+
+def check_gatherable(tree: dict[str, Any]) -> None:
+    """Refuse a state holding a DTensor that cannot be gathered whole, before any file is read or tensor written."""
+    for node in dtensor_nodes(tree["root"]):
+        for placement in node["pl"]:
+            if "r" not in placement and "s" not in placement:
+                raise _not_gatherable(placement)
+
+
+def _not_gatherable(placement: dict[str, Any]) -> UnsupportedState:
+    return UnsupportedState(
+        f"placement {placement} cannot be gathered into a whole tensor: a Partial is a sum over ranks "
+        "that only they can reduce; load the checkpoint in the job's layout with load(device_mesh=...) "
+        "and call full_tensor() instead"
+    )
 
 
 def _piece(indices: np.ndarray, parts: int, index: int) -> np.ndarray:
@@ -71,20 +83,26 @@ def _region(indices: list[np.ndarray]) -> tuple[Any, ...]:
 
 
 class Gatherer:
-    """Collects every rank's shards into whole tensors, then hands them to ``tree.unflatten``.
+    """Collects every rank's shards into whole tensors, then hands them to ``tree.unflatten`` once ``complete``
+    has found none missing.
 
     Each whole tensor is allocated on ``device`` at its first shard, so only
-    one rank's file need be held in memory at a time.
+    one rank's file need be held in memory at a time; or it is the caller's
+    own, from ``into`` (by the stored local name, as ``in_place.match`` pairs
+    them), which then receives the shards directly.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, into: dict[str, list[torch.Tensor]] | None = None) -> None:
         self._device = device
-        self._whole: dict[str, torch.Tensor] = {}
+        into = into or {}
+        self._whole: dict[str, torch.Tensor] = {name: tensors[0] for name, tensors in into.items()}
+        # Further destinations of a whole (both halves of a tie given apart): filled from the first by complete().
+        self._also = {name: tensors[1:] for name, tensors in into.items() if len(tensors) > 1}
         # Per whole tensor, the ranks of its mesh whose shard has not been placed yet.
         self._awaited: dict[str, set[int]] = {}
 
     def add(self, rank: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        """Place ``rank``'s shards: ``tree`` and ``tensors`` are its file's, as ``codec.decode`` returns them."""
+        """Place ``rank``'s shards: ``tree`` and ``tensors`` are its file's, as ``codec.parsed`` returns them."""
         meshes = tree.get("meshes", [])
         positions = {index: mesh_position(mesh["ranks"], rank) for index, mesh in enumerate(meshes)}
         for node in dtensor_nodes(tree["root"]):
@@ -106,19 +124,29 @@ class Gatherer:
                     f"placements {node['pl']} of a {list(node['sh'])} tensor give it {expected}; load the "
                     "checkpoint in the job's layout with load(device_mesh=...) and call full_tensor() instead"
                 )
-            whole[_region(indices)] = shard
+            # A caller's Parameter that requires grad refuses an in-place write that autograd would record.
+            with torch.no_grad():
+                whole[_region(indices)] = shard
             self._awaited[name].discard(rank)
 
+    def complete(self) -> None:
+        """Check that every whole tensor received all its shards, then fill its further destinations."""
+        for name, awaited in self._awaited.items():
+            if awaited:
+                missing = sorted(awaited)
+                raise UnsupportedState(
+                    f"the DTensor stored as {name!r} has no shard in the files of ranks {missing[:16]} of its "
+                    "mesh, so it cannot be gathered whole; load the checkpoint in the job's layout with "
+                    "load(device_mesh=...) instead"
+                )
+        with torch.no_grad():
+            for name, destinations in self._also.items():
+                for destination in destinations:
+                    if destination is not self._whole[name]:
+                        destination.copy_(self._whole[name])
+
     def rebuild(self, node: dict[str, Any], local: torch.Tensor) -> Any:
-        name = node["D"]["T"]
-        if self._awaited[name]:
-            missing = sorted(self._awaited[name])
-            raise UnsupportedState(
-                f"the DTensor stored as {name!r} has no shard in the files of ranks {missing[:16]} of its mesh, "
-                "so it cannot be gathered whole; load the checkpoint in the job's layout with "
-                "load(device_mesh=...) instead"
-            )
-        whole = self._whole[name]
+        whole = self._whole[node["D"]["T"]]
         # Called once per stored DTensor: tree.unflatten hands a tie the object it built the first time.
         return torch.nn.Parameter(whole, requires_grad=bool(node["P"])) if "P" in node else whole
 

@@ -1,4 +1,4 @@
-"""``load(into=...)``: a checkpoint's bytes copied into the caller's own tensors instead of new ones.
+"""``into``: a checkpoint's bytes copied into the caller's own tensors instead of new ones.
 
 A restore into new tensors holds the state twice until the caller has copied
 it into the model and dropped the copy: twice the host memory, or with
@@ -12,6 +12,10 @@ Every pair is checked before the first byte is written, so a state that does
 not fit leaves the caller's tensors as they were; and every tensor of the
 caller's state must receive bytes, so a renamed or missing key cannot leave
 part of a model silently untouched.
+
+``load(into=...)`` fills a DTensor's local shard, on the mesh it lives on;
+``read_checkpoint(into=...)``, which gathers each stored DTensor whole, fills
+a plain tensor of its global shape (``format.full_tensors``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ class Destinations:
     by_node: dict[int, Any] = field(default_factory=dict)
     # The stored tensor's name, and the tensor its bytes go into (a DTensor's local shard).
     targets: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    # By a stored DTensor's local name, the plain tensors its whole is gathered into (more than one for a tie).
+    wholes: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def filled(self) -> set[str]:
+        """The stored tensors that need no copy: their bytes go into the caller's tensors."""
+        return {name for name, _ in self.targets} | self.wholes.keys()
 
     def fill(self, views: dict[str, torch.Tensor]) -> None:
         """Copy each stored tensor into its destinations, all of them before returning."""
@@ -48,31 +59,37 @@ class Destinations:
             torch._foreach_copy_([target for _, target in self.targets], [views[name] for name, _ in self.targets])
 
 
-def match(tree: dict[str, Any], views: dict[str, torch.Tensor], into: Any) -> Destinations:
+def match(tree: dict[str, Any], views: dict[str, torch.Tensor], into: Any,
+          whole_dtensors: bool = False) -> Destinations:
     """Pair every tensor of ``into`` with the stored tensor at its path; ``views`` are the stored tensors by name.
 
     Raises ``UnsupportedState`` naming what does not fit (up to five paths)
     when a tensor of ``into`` has no stored counterpart, or one of another
-    kind, dtype, shape or DTensor layout.
+    kind, dtype, shape or DTensor layout. With ``whole_dtensors``, a stored
+    DTensor pairs with a plain tensor of its global shape, in ``wholes``.
     """
-    matcher = _Matcher(tree.get("meshes", []), views)
+    matcher = _Matcher(tree.get("meshes", []), views, whole_dtensors)
     with torch.no_grad():
         matcher.walk(tree["root"], into, ())
     problems = matcher.problems
     if problems:
         more = f"; and {len(problems) - _PROBLEMS_SHOWN} more" if len(problems) > _PROBLEMS_SHOWN else ""
         raise UnsupportedState(
-            "load(into=...) was given a state that does not fit the checkpoint, so none of its tensors was "
-            f"written: {'; '.join(problems[:_PROBLEMS_SHOWN])}{more}. Pass the state as it was saved (the same "
-            "keys, dtypes, shapes and DTensor layouts), or leave into out to get new tensors"
+            f"{'read_checkpoint' if whole_dtensors else 'load'}(into=...) was given a state that does not fit the "
+            f"checkpoint, so none of its tensors was written: {'; '.join(problems[:_PROBLEMS_SHOWN])}{more}. Pass "
+            f"the state as it was saved (the same keys, dtypes, shapes and "
+            f"{'global shapes of DTensors' if whole_dtensors else 'DTensor layouts'}), or leave into out to get new "
+            "tensors"
         )
     return matcher.destinations
 
 
 class _Matcher:
-    def __init__(self, saved_meshes: list[dict[str, Any]], views: dict[str, torch.Tensor]) -> None:
+    def __init__(self, saved_meshes: list[dict[str, Any]], views: dict[str, torch.Tensor],
+                 whole_dtensors: bool) -> None:
         self.saved_meshes = saved_meshes
         self.views = views
+        self.whole_dtensors = whole_dtensors
         self.dtensor = dtensors.dtensor_type()
         self.destinations = Destinations()
         self.problems: list[str] = []
@@ -105,6 +122,9 @@ class _Matcher:
 
     def _tensor(self, node: dict[str, Any], value: torch.Tensor, path: tree_mod.Path) -> None:
         is_dtensor = self.dtensor is not None and type(value) is not torch.Tensor and isinstance(value, self.dtensor)
+        if "D" in node and self.whole_dtensors:
+            self._whole(node, value, path, is_dtensor)
+            return
         if "T" in node and not is_dtensor:
             name, local = node["T"], value
         elif "D" in node and is_dtensor:
@@ -128,6 +148,20 @@ class _Matcher:
             return
         self.destinations.by_node[id(node)] = value
         self.destinations.targets.append((name, local))
+
+    def _whole(self, node: dict[str, Any], value: torch.Tensor, path: tree_mod.Path, is_dtensor: bool) -> None:
+        name = node["D"]["T"]
+        stored_dtype, global_shape = self.views[name].dtype, list(node["sh"])
+        where = tree_mod.show_path(path, "into")
+        if is_dtensor:
+            self.problems.append(f"{where} is a DTensor, where read_checkpoint gathers the stored DTensor whole: "
+                                 f"pass a plain tensor of its global shape {global_shape}")
+        elif value.dtype is not stored_dtype or list(value.shape) != global_shape:
+            self.problems.append(f"{where} is {value.dtype} of shape {list(value.shape)}, where the checkpoint holds "
+                                 f"a DTensor of {stored_dtype} whose global shape is {global_shape}")
+        else:
+            self.destinations.by_node[id(node)] = value
+            self.destinations.wholes.setdefault(name, []).append(value)
 
     def _unmatched(self, value: Any, path: tree_mod.Path, stored: str) -> None:
         """A part of ``into`` the checkpoint has no tensors for: a problem if it holds a tensor."""
