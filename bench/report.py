@@ -36,6 +36,7 @@ CONTEXT = (
     # A save into the second slot while the sidecar persists from the first; the first time, into the spare slot.
     ("save while the previous persists / copy reference", "stowaway.save.overlapped.steady", (("reference.copy",),)),
     ("first save into the spare slot / copy reference", "stowaway.save.overlapped.first", (("reference.copy",),)),
+    ("first save after reserve() / copy reference", "stowaway.save.reserved.first", (("reference.copy",),)),
     ("committed / (copy + fastest write)", "stowaway.committed.steady",
      (("reference.copy",), ("reference.write_buffered", "reference.write_direct"))),
     # Per-tensor work shows in CPU time even where the wall time hides it behind memory bandwidth.
@@ -57,6 +58,7 @@ CONTEXT = (
 
 ROWS = (
     ("stowaway.save.first", "Stowaway save, first (blocking)"),
+    ("stowaway.save.reserved.first", "Stowaway save, first after reserve() (blocking)"),
     ("stowaway.save.steady", "Stowaway save, steady (blocking)"),
     ("stowaway.save.overlapped.first", "Stowaway save while the previous persists, first into the spare slot"),
     ("stowaway.save.overlapped.steady", "Stowaway save while the previous persists, steady"),

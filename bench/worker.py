@@ -154,17 +154,22 @@ def _measure_saves(run: Run, ckpt: Checkpointer, training: dict[str, Any], extra
 
 
 def measure_overlapped_saves(run: Run, training: dict[str, Any]) -> None:
-    """Saves made while the previous one still persists, as frequent checkpoints are, into a second slot.
+    """A first save after ``reserve``, then saves made while the previous one still persists, into a second slot.
 
-    The first time, that slot is the spare allocated in the background after
-    this checkpointer's first save; the harness gives it the time of that
-    save's commit to do so, as training gives it the time between two saves.
-    The slot of the phase before is reused, so the rank holds two slots at
-    most, never three.
+    ``reserve`` faults both slots into this checkpointer's mapping (the one
+    of the phase before is reused, so the rank holds two slots at most,
+    never three) and encodes the state once; the first save then shows what
+    it costs a job that reserved ahead. The first overlapped save is the
+    first into the second slot.
     """
     with Checkpointer(slots=2, timeout=1800) as ckpt:
+        ckpt.reserve(training, wait=True)
         step = run.reps + 1
-        ckpt.save(step, training).wait()
+        started = run.start()
+        handle = ckpt.save(step, training)
+        run.sync()
+        run.record("stowaway.save.reserved.first", time.perf_counter() - started)
+        handle.wait()
         for rep in range(run.reps + 1):
             run.start()
             persisting = ckpt.save(step + 1, training)

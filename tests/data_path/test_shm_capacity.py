@@ -16,12 +16,14 @@ def test_a_too_small_shared_memory_gives_the_documented_error_before_writing(sta
         sidecar = start_sidecar(extra=["--shm-dir", str(shm)])
         with Checkpointer(job="tiny", socket=sidecar.socket, rank=0, world_size=2, local_world_size=2,
                           timeout=5) as ckpt:
-            with pytest.raises(ShmCapacityError) as raised:
-                ckpt.save(1, {"w": torch.zeros(2**20)})  # 4 MiB per slot, 2 slots, 2 local ranks: 16 MiB
-            message = str(raised.value)
-            assert f"shared memory at {shm} is too small" in message
-            assert "2 local rank(s) need 16.0 MiB" in message
-            assert "spec.sharedMemory.sizeLimit" in message
+            # 4 MiB per slot, 2 slots, 2 local ranks: 16 MiB; reserving it says so at once, as the save does.
+            for attempt in (ckpt.reserve, lambda state: ckpt.save(1, state)):
+                with pytest.raises(ShmCapacityError) as raised:
+                    attempt({"w": torch.zeros(2**20)})
+                message = str(raised.value)
+                assert f"shared memory at {shm} is too small" in message
+                assert "2 local rank(s) need 16.0 MiB" in message
+                assert "spec.sharedMemory.sizeLimit" in message
             assert list(shm.glob(naming.job_slot_glob("tiny"))) == [], "nothing may be written"
             handle = ckpt.save(2, {"w": torch.zeros(2**18)})  # 1 MiB per slot fits
             assert list(shm.glob(naming.job_slot_glob("tiny")))

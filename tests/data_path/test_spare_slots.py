@@ -1,8 +1,8 @@
-"""A rank's other slots are allocated and faulted in behind its back once the first save has sized them.
+"""A rank's slots are allocated and faulted in behind its back once a save, or ``reserve``, has sized them.
 
-Otherwise the save that first uses a slot, typically one made while the
-previous save is still persisting, pays the allocation and a page fault per
-page: several times a steady save.
+Otherwise the save that first uses a slot, the first save or one made while
+the previous save is still persisting, pays the allocation and a page fault
+per page: several times a steady save.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
+from data_path.processes import wait_for
+from stowaway import Checkpointer
 from stowaway.client.pool import Owner, SlotPool
 from stowaway.client.spare_slots import SpareSlots
 from stowaway.slots import naming, shm
@@ -59,6 +62,36 @@ def test_the_other_slots_are_allocated_and_resident_before_a_save_uses_them(pool
         assert os.stat(slot.file.path).st_blocks * 512 >= shm.file_size_for(CAPACITY), "pages not reserved"
         assert resident_bytes(slot.file.path) >= CAPACITY, "pages not faulted into the rank's mapping"
     assert resident_bytes(pool.slots[0].file.path) < CAPACITY, "the first slot was faulted in at allocation"
+
+
+def test_reserve_makes_every_slot_resident_before_the_first_save_which_then_lands_in_one_of_them(
+    start_sidecar, caplog
+):
+    caplog.set_level(logging.INFO, logger="stowaway")
+    state = {"w": torch.randn(2**21), "step": 7}
+    sidecar = start_sidecar()
+    with Checkpointer(job="reserve", socket=sidecar.socket, rank=0, world_size=1, slots=2, timeout=30) as ckpt:
+        ckpt.reserve(state)
+        paths = [naming.slot_path(sidecar.shm_dir, "reserve", 0, index) for index in range(2)]
+        wait_for(lambda: all(path.exists() and resident_bytes(path) >= 2**23 for path in paths),
+                 "both slots allocated and faulted into the rank's mapping before any save")
+        files = {path: (path.stat().st_ino, path.stat().st_size) for path in paths}
+        ckpt.save(1, state).wait(30)
+        assert {path: (path.stat().st_ino, path.stat().st_size) for path in paths} == files, \
+            "the first save allocated or grew a slot of its own"
+        step, restored = ckpt.load()
+    assert step == 1 and torch.equal(restored["w"], state["w"]) and restored["step"] == 7
+
+    # A restarted rank finds its slots in shared memory, but its new mapping of them would still fault.
+    with Checkpointer(job="reserve", socket=sidecar.socket, rank=0, world_size=1, slots=2, timeout=30) as ckpt:
+        ckpt.reserve(state, wait=True)
+        assert all(resident_bytes(path) >= 2**23 for path in paths), "a slot left by the last process is not resident"
+        caplog.clear()
+        step, restored = ckpt.load()
+        assert "restored step 1 from memory" in caplog.text
+        assert step == 1 and torch.equal(restored["w"], state["w"]), "reserving changed the step the slot held"
+        ckpt.save(2, state).wait(30)
+        assert {path: (path.stat().st_ino, path.stat().st_size) for path in paths} == files
 
 
 def test_a_slot_that_cannot_be_allocated_ahead_is_left_to_the_save_that_needs_it(pool, caplog):

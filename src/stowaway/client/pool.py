@@ -116,11 +116,7 @@ class SlotPool:
         if slot.capacity >= nbytes:
             return
         target = int(nbytes * HEADROOM) if slot.file is not None else nbytes
-        per_slot = shm.file_size_for(max(target, *(s.capacity for s in self.slots)))
-        shm.check_capacity(
-            self.shm_dir, naming.job_slot_glob(self.job), per_slot * len(self.slots),
-            self.local_world_size, already_mine=self.allocated_bytes(),
-        )
+        self.check_room(target)
         slot.drop_view()
         if slot.file is None:
             path = naming.slot_path(self.shm_dir, self.job, self.rank, slot.index)
@@ -128,6 +124,14 @@ class SlotPool:
         else:
             slot.file.grow(target)
         slot.registered = False
+
+    def check_room(self, nbytes: int) -> None:
+        """Raise ``ShmCapacityError`` unless every slot of every local rank can hold ``nbytes``."""
+        per_slot = shm.file_size_for(max(nbytes, *(s.capacity for s in self.slots)))
+        shm.check_capacity(
+            self.shm_dir, naming.job_slot_glob(self.job), per_slot * len(self.slots),
+            self.local_world_size, already_mine=self.allocated_bytes(),
+        )
 
     def allocated_bytes(self) -> int:
         return sum(shm.file_size_for(s.capacity) for s in self.slots if s.file is not None)

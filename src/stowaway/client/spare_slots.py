@@ -1,12 +1,13 @@
-"""Allocating a rank's other slots in the background, once its first save has shown how big a slot must be.
+"""Allocating a rank's slots in the background, once a save or ``reserve`` has shown how big a slot must be.
 
 A fresh slot costs the save that first uses it the allocation and a page
-fault per page: about four times a steady save. The first slot cannot avoid
-that, since the state's size is unknown until the first save; the others can,
-so that a save made while the previous one is still in flight also writes at
-memcpy speed. The allocator owns the slots it prepares (``Owner.ALLOCATOR``),
-so no save takes a slot half allocated; a failure leaves the slot to be
-allocated, and the error raised, by the save that needs it.
+fault per page: about four times a steady save. The first slot pays it unless
+``Checkpointer.reserve`` gave the state's size ahead of the first save; the
+others are prepared once the first save has shown it, so that a save made
+while the previous one is still in flight also writes at memcpy speed. The
+allocator owns the slots it prepares (``Owner.ALLOCATOR``), so no save takes
+a slot half allocated; a failure leaves the slot to be allocated, and the
+error raised, by the save that needs it.
 """
 
 from __future__ import annotations
@@ -26,19 +27,23 @@ class SpareSlots:
         self._cond = cond
         self._thread: threading.Thread | None = None
 
-    def prepare(self, capacity: int) -> None:
+    def prepare(self, capacity: int, every: bool = False) -> None:
         """Start allocating every free slot smaller than ``capacity``, unless a preparation is still running.
 
+        With ``every``, the free slots already large enough are faulted into
+        this process's mapping too: a slot a previous process of the rank
+        left holds its pages, but a new mapping still faults on each.
         Call with the checkpointer's lock held.
         """
         if self._thread is not None and self._thread.is_alive():
             return
-        smaller = [slot for slot in self._pool.slots if slot.owner is Owner.RANK and slot.capacity < capacity]
-        if not smaller:
+        chosen = [slot for slot in self._pool.slots
+                  if slot.owner is Owner.RANK and (every or slot.capacity < capacity)]
+        if not chosen:
             return
-        for slot in smaller:
+        for slot in chosen:
             slot.owner = Owner.ALLOCATOR
-        self._thread = threading.Thread(target=self._allocate, args=(smaller, capacity),
+        self._thread = threading.Thread(target=self._allocate, args=(chosen, capacity),
                                         name="stowaway-spare-slots", daemon=True)
         self._thread.start()
 
