@@ -150,11 +150,10 @@ class Checkpointer:
         A first save otherwise allocates its slot and pays the kernel a page
         fault per page, 7-29 times a steady save in the latest benchmark run;
         into a reserved slot it copies at memcpy speed, and its state is
-        encoded already. Call it
-        once the state holds every tensor it will (an optimizer creates its
-        state at its first step), early enough for the allocation to end
-        (about 0.3 s per GiB, on a thread of its own): a save arriving sooner
-        waits for its slot. With ``wait``, return once it has ended. Raises
+        encoded already. Call it once the state holds every tensor it will
+        (an optimizer creates its state at its first step), early enough for
+        the allocation to end (on a thread of its own): a save arriving
+        sooner waits for its slot. With ``wait``, return once it has ended. Raises
         ``ShmCapacityError`` at once if shared memory cannot hold the slots
         of every local rank.
         """

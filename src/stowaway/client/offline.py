@@ -17,6 +17,7 @@ import torch
 
 from stowaway.errors import CheckpointCorrupt, UnsupportedState
 from stowaway.format import codec, dtensors, full_tensors, in_place
+from stowaway.format import tree as tree_mod
 from stowaway.storage import catalog, direct_io, layout, manifest
 
 
@@ -52,14 +53,23 @@ def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, ra
     if not 0 <= rank < found.world_size:
         raise ValueError(f"rank {rank} is not one of the {found.world_size} ranks of step {step}")
     tree, views = _parsed(step_path, found.file_for(rank))
-    if tree.get("meshes"):
+    sharded = bool(tree.get("meshes"))
+    if sharded:
         full_tensors.check_gatherable(tree)
     destinations = None if into is None else in_place.match(tree, views, into, whole_dtensors=True)
-    if not tree.get("meshes"):
-        if destinations is not None:
-            destinations.fill(views)
-        return step, codec.rebuilt(tree, views, map_location, dtensors.Rebuilder(tree, ()), allow_pickle,
-                                   destinations)
+    builder: tree_mod.DTensorBuilder = (
+        _gathered(step_path, found, rank, tree, views, map_location, destinations) if sharded
+        else dtensors.Rebuilder(tree, ())
+    )
+    if destinations is not None:
+        destinations.fill(views)
+    return step, codec.rebuilt(tree, views, map_location, builder, allow_pickle, destinations)
+
+
+def _gathered(step_path: Path, found: manifest.Manifest, rank: int, tree: dict[str, Any],
+              views: dict[str, torch.Tensor], map_location: Any,
+              destinations: in_place.Destinations | None) -> full_tensors.Gatherer:
+    """Every DTensor whole, from every rank's file (``rank``'s is parsed already), into ``destinations`` where given."""
     gatherer = full_tensors.Gatherer(torch.device(map_location), destinations and destinations.wholes)
     try:
         for entry in found.files:
@@ -69,9 +79,7 @@ def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, ra
         if destinations is None or not destinations.wholes:
             raise
         raise type(exc)(f"{exc}. Tensors of into may have been written before this was found: reload them") from exc
-    if destinations is not None:
-        destinations.fill(views)
-    return step, codec.rebuilt(tree, views, map_location, gatherer, allow_pickle, destinations)
+    return gatherer
 
 
 def _parsed(step_path: Path, entry: manifest.FileEntry) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -1,7 +1,7 @@
 """Allocating a rank's slots in the background, once a save or ``reserve`` has shown how big a slot must be.
 
 A fresh slot costs the save that first uses it the allocation and a page
-fault per page: about four times a steady save. The first slot pays it unless
+fault per page: several times a steady save. The first slot pays it unless
 ``Checkpointer.reserve`` gave the state's size ahead of the first save; the
 others are prepared once the first save has shown it, so that a save made
 while the previous one is still in flight also writes at memcpy speed. The
