@@ -23,6 +23,7 @@ from stowaway.errors import (
     SlotWaitTimeout,
     StowawayError,
     UnsupportedState,
+    WorldSizeChanged,
 )
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ __all__ = [
     "SlotWaitTimeout",
     "StowawayError",
     "UnsupportedState",
+    "WorldSizeChanged",
     "read_checkpoint",
 ]
 

@@ -16,6 +16,10 @@ class ConfigurationError(StowawayError):
     """A setting is missing or invalid; the message names the setting."""
 
 
+class WorldSizeChanged(ConfigurationError):
+    """The step to restore was saved by another number of ranks than the job has now."""
+
+
 class ShmCapacityError(StowawayError):
     """The shared-memory filesystem cannot hold the slots every local rank needs."""
 

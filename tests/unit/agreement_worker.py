@@ -1,7 +1,8 @@
 """One rank of a real gloo process group, asking ``agreement`` the questions a test passes in.
 
 argv: RANK WORLD_SIZE STORE_FILE QUESTIONS_FILE; the questions file holds a JSON list, each
-``{"ask": "candidates", "run_id": [...per rank], "steps": [...per rank]}`` or
+``{"ask": "candidates", "run_id": [...per rank], "steps": [...per rank]}``, optionally with
+``"other_world": [...per rank, each a list of [step, world size]]``, or
 ``{"ask": "outcomes", "refused": [...per rank], "error": [...per rank]}``;
 stdout: this rank's answers, as JSON.
 """
@@ -25,7 +26,10 @@ def main() -> None:
     answers = []
     for question in json.loads(questions.read_text()):
         if question["ask"] == "candidates":
-            answers.append(agreement.candidates(question["run_id"][rank], question["steps"][rank], world_size))
+            other_world = dict(question.get("other_world", [[]] * world_size)[rank])
+            run_id, steps, resized = agreement.candidates(question["run_id"][rank], question["steps"][rank],
+                                                          other_world, world_size)
+            answers.append([run_id, steps, sorted(resized.items())])
         else:
             answers.append(agreement.restore_outcomes(question["refused"][rank], question["error"][rank], rank,
                                                       world_size))

@@ -46,7 +46,20 @@ def test_ranks_agree_on_rank_zeros_run_id_and_the_steps_all_of_them_can_restore(
         {"ask": "candidates", "run_id": ["r"] * WORLD, "steps": [[2, 1], [1, 2, 2], [2, 1]]},
         {"ask": "candidates", "run_id": ["r"] * WORLD, "steps": [[5], [5], []]},
     ]
-    expected = [["r", [3, 2, 1]], ["r0", [2, 1]], ["r", [3, 2]], ["r", [2, 1]], ["r", []]]
+    expected = [["r", [3, 2, 1], []], ["r0", [2, 1], []], ["r", [3, 2], []], ["r", [2, 1], []], ["r", [], []]]
+    for rank, answers in enumerate(ask(tmp_path, questions)):
+        assert answers == expected, f"rank {rank}"
+
+
+@pytest.mark.timeout(180)
+def test_a_step_of_another_world_size_seen_by_one_rank_is_known_to_all_so_all_refuse_it(tmp_path):
+    """One rank may ask after the last incarnation's final step committed, the others before."""
+    questions = [
+        {"ask": "candidates", "run_id": ["r"] * WORLD, "steps": [[1]] * WORLD, "other_world": [[[2, 8]]] * WORLD},
+        {"ask": "candidates", "run_id": ["r"] * WORLD, "steps": [[1]] * WORLD,
+         "other_world": [[[2, 8]], [[2, 8], [3, 8]], [[2, 8]]]},
+    ]
+    expected = [["r", [1], [[2, 8]]], ["r", [1], [[2, 8], [3, 8]]]]
     for rank, answers in enumerate(ask(tmp_path, questions)):
         assert answers == expected, f"rank {rank}"
 

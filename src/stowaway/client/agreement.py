@@ -67,15 +67,19 @@ def _same_everywhere(value: Any) -> bool:
     return reduced is not None and reduced[0] == -reduced[1]
 
 
-def candidates(run_id: str, steps: list[int], world_size: int) -> tuple[str, list[int]]:
-    """Rank 0's run id, so all ranks of this incarnation tag their files alike, and the steps every
-    rank can restore, newest first."""
+def candidates(run_id: str, steps: list[int], other_world: dict[int, int],
+               world_size: int) -> tuple[str, list[int], dict[int, int]]:
+    """Rank 0's run id, so all ranks of this incarnation tag their files alike; the steps every rank can
+    restore, newest first; and the committed steps any rank found saved by another number of ranks, with
+    that number, so that every rank refuses them alike."""
     ordered = sorted(set(steps), reverse=True)
-    if not active(world_size) or _same_everywhere((run_id, ordered)):
-        return run_id, ordered
-    gathered = _gather((run_id, ordered), world_size)
-    common = set.intersection(*(set(found) for _, found in gathered))
-    return gathered[0][0], sorted(common, reverse=True)
+    resized = sorted(other_world.items(), reverse=True)
+    if not active(world_size) or _same_everywhere((run_id, ordered, resized)):
+        return run_id, ordered, dict(resized)
+    gathered = _gather((run_id, ordered, resized), world_size)
+    common = set.intersection(*(set(found) for _, found, _ in gathered))
+    anywhere = {step: size for _, _, found in gathered for step, size in found}
+    return gathered[0][0], sorted(common, reverse=True), anywhere
 
 
 def restore_outcomes(

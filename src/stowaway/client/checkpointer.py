@@ -27,6 +27,7 @@ from stowaway.errors import (
     SlotWaitTimeout,
     StowawayError,
     UnsupportedState,
+    WorldSizeChanged,
 )
 from stowaway.format import codec, dtensors
 from stowaway.format.safetensors_header import HeaderError
@@ -232,6 +233,9 @@ class Checkpointer:
         new, as without it. If a step cannot be restored on every rank after
         some rank wrote it into ``into``, the next older one is written over
         it; if none can be, ``load`` raises instead of returning None.
+
+        Raises ``WorldSizeChanged`` when the newest committed step (or
+        ``step``) was saved by another number of ranks.
         """
         meshes = dtensors.given_meshes(device_mesh)
         if self.world_size > self.local_world_size and not agreement.active(self.world_size):
@@ -255,7 +259,10 @@ class Checkpointer:
         sizes = {item["step"]: item["nbytes"] for item in inventory["committed"]}
         in_memory = {item["step"]: item["slot"] for item in inventory["memory"]}
         wanted = [found for found in sizes if step is None or found == step]
-        self._run_id, candidates = agreement.candidates(self._current_run_id(), wanted, self.world_size)
+        other_world = {item["step"]: item["world_size"] for item in inventory["other_world"]}
+        self._run_id, candidates, other_world = agreement.candidates(self._current_run_id(), wanted, other_world,
+                                                                     self.world_size)
+        self._refuse_other_world(step, candidates, other_world)
         problems = []
         for candidate in candidates:
             error, refused, state, source = None, None, None, "memory"
@@ -293,6 +300,29 @@ class Checkpointer:
                 "that was known; re-initialise them before training from scratch"
             )
         return None
+
+    def _refuse_other_world(self, step: int | None, candidates: list[int], other_world: dict[int, int]) -> None:
+        """Refuse ``step``, or a newest committed step, saved by another number of ranks.
+
+        Each rank's file holds that rank's own state, so such a step cannot be
+        restored here; skipping it would return an older step, or None, and
+        the job would silently train again from there.
+        """
+        newest_here = candidates[0] if candidates else -1
+        refused = [found for found in other_world if found == step or (step is None and found > newest_here)]
+        if not refused:
+            return
+        found = max(refused)
+        saved_by = other_world[found]
+        older = (f"pass step={newest_here} to load() to resume from the newest step saved by {self.world_size} "
+                 "ranks; " if step is None and candidates else "")
+        raise WorldSizeChanged(
+            f"rank {self.rank}: step {found} of job {self.job} was saved by {saved_by} ranks and this job has "
+            f"{self.world_size}; a step is restored only on as many ranks as saved it, as each rank's file holds "
+            f"its own share of the state. Run the job on {saved_by} ranks; or read the step with "
+            "stowaway.read_checkpoint() where the storage is mounted (it gathers DTensors whole) and load it into "
+            f"the model yourself; {older}or give the job another name (STOWAWAY_JOB) to start afresh"
+        )
 
     @property
     def slots_in_flight(self) -> int:

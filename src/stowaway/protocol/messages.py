@@ -59,7 +59,7 @@ SIDECAR_MESSAGES: dict[str, dict[str, Any]] = {
     "persisted": {"step": _INT},
     "committed": {"step": _INT},
     "failed": {"step": _INT, "slot": (int, type(None)), "reason": str},
-    "inventory": {"committed": list, "memory": list},
+    "inventory": {"committed": list, "memory": list, "other_world": list},
     "staged": {"step": _INT, "slot": _INT, "generation": _INT, "nbytes": _INT},
     "error": {"reason": str},
 }

@@ -20,22 +20,33 @@ MAX_LISTED_STEPS = 64
 
 
 def inventory(job_path: Path, state: RankState) -> dict[str, Any]:
-    """Committed steps with this rank's file size, and which of them its slots hold intact."""
+    """Committed steps with this rank's file size, which of them its slots hold intact, and those saved by
+    another number of ranks.
+
+    The last are listed so that ``load`` can refuse them by name: left out
+    silently, a job restarted on fewer or more ranks would find nothing to
+    restore and train from scratch.
+    """
     committed = []
     memory = []
+    other_world = []
     for step in reversed(catalog.committed_steps(job_path)[-MAX_LISTED_STEPS:]):
         try:
             found = manifest.read_manifest(layout.step_dir(job_path, step))
-            entry = found.file_for(state.rank)
         except manifest.ManifestError:
             continue
         if found.world_size != state.world_size:
+            other_world.append({"step": step, "world_size": found.world_size})
+            continue
+        try:
+            entry = found.file_for(state.rank)
+        except manifest.ManifestError:
             continue
         committed.append({"step": step, "nbytes": entry.bytes})
         slot = _slot_holding(state, step, entry)
         if slot is not None:
             memory.append({"step": step, "slot": slot})
-    return {"type": "inventory", "committed": committed, "memory": memory}
+    return {"type": "inventory", "committed": committed, "memory": memory, "other_world": other_world}
 
 
 def _slot_holding(state: RankState, step: int, entry: manifest.FileEntry) -> int | None:
