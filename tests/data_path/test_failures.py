@@ -123,7 +123,7 @@ def test_full_storage_fails_the_save_with_the_reason_and_keeps_earlier_checkpoin
         assert sidecar.stop() == 0
 
 
-def test_a_bit_flip_in_storage_is_found_by_verify_and_load_falls_back_to_the_older_checkpoint(
+def test_a_bit_flip_in_storage_is_found_by_verify_and_load_falls_back_to_the_older_checkpoint_and_saves_go_on(
     start_sidecar, start_rank, storage
 ):
     sidecar = start_sidecar()
@@ -135,6 +135,7 @@ def test_a_bit_flip_in_storage_is_found_by_verify_and_load_falls_back_to_the_old
     assert sidecar.stop() == 0
     victim = step_dir(storage, "flip", 2) / layout.rank_file_name(0, 1)
     flip_a_bit(victim)
+    flipped = victim.read_bytes()
 
     verify = subprocess.run([sys.executable, "-m", "stowaway", "verify", str(storage / "flip")],
                             capture_output=True, text=True)
@@ -148,6 +149,21 @@ def test_a_bit_flip_in_storage_is_found_by_verify_and_load_falls_back_to_the_old
     assert fresh.call(op="load") == {"step": 1, "intact": True, "numel": 1024}
     assert "step 2 cannot be restored" in fresh.log_path.read_text()
     assert "is corrupt" in fresh.log_path.read_text()
+
+    # Step 2 is set aside with its bytes, no longer committed; the job, back at step 1, saves step 2 again
+    # (refused as already committed before, so that a job waiting for each save restarted into the same fallback).
+    aside = layout.set_aside_dirs(storage / "flip")
+    assert len(aside) == 1 and aside[0].name.startswith("corrupt-step-000000000002-"), aside
+    assert (aside[0] / victim.name).read_bytes() == flipped
+    assert catalog.committed_steps(storage / "flip") == [1]
+    assert (storage / "flip" / layout.LATEST).read_text() == "1\n"
+    assert "the step was set aside as" in fresh.log_path.read_text()
+    fresh.save(2)
+    assert fresh.wait(2)["committed"]
+    assert fresh.call(op="load") == {"step": 2, "intact": True, "numel": 1024}
+    listing = subprocess.run([sys.executable, "-m", "stowaway", "ls", str(storage / "flip")],
+                             capture_output=True, text=True, check=True).stdout
+    assert f"set aside as corrupt (kept for inspection; delete it when done): {aside[0]}" in listing
 
 
 def test_ranks_in_a_process_group_restore_the_same_step_when_one_ranks_newest_file_is_corrupt(
@@ -175,9 +191,12 @@ def test_ranks_in_a_process_group_restore_the_same_step_when_one_ranks_newest_fi
     join_group(fresh, short_tmp / "group-2")
     assert collective(fresh, op="load") == [{"step": 1, "intact": True, "numel": 1024}] * 2
     assert "step 2 cannot be restored on rank 1" in fresh[0].log_path.read_text()
+
+    found_corrupt_again(storage, "group", 2)
     # Step 1 is now in the ranks' slots, and step 2 is staged into those very slots before the ranks learn that
     # rank 1 cannot restore it: step 1 must then come from storage (a second load used to fail here).
     assert collective(fresh, op="load") == [{"step": 1, "intact": True, "numel": 1024}] * 2
+    found_corrupt_again(storage, "group", 2)
     # Into tensors of their own: rank 0 reads step 2 from storage into its tensor before the ranks learn that
     # rank 1 cannot; the tensor must end up holding step 1, as rank 1's does.
     assert collective(fresh, op="load", into=1024) == [{"step": 1, "intact": True, "numel": 1024,
@@ -205,10 +224,18 @@ def test_a_load_into_the_state_that_finds_no_restorable_step_raises_instead_of_r
     fresh = [start_rank(sidecar, job="none", rank=rank, world_size=2) for rank in range(2)]
     join_group(fresh, short_tmp / "group-2")
     assert collective(fresh, op="load") == [{"step": None}] * 2, "without into, nothing to restore is None"
+    found_corrupt_again(storage, "none", 1)
     for answer in collective(fresh, op="load", into=1024):
         assert answer["type"] == "SaveFailed", answer
         assert "no committed step of job none can be restored (step 1 rank 1:" in answer["error"]
         assert "re-initialise them before training from scratch" in answer["error"]
+
+
+def found_corrupt_again(storage, job, step):
+    """Put a step that a load set aside back, as a step that fails on some rank for another reason than
+    corruption (an I/O error) stays committed, so that the next load meets it again."""
+    (aside,) = layout.set_aside_dirs(storage / job)
+    aside.rename(step_dir(storage, job, step))
 
 
 def flip_a_bit(path):

@@ -53,8 +53,8 @@ def print_listing(job_path: Path, out: TextIO) -> None:
     steps = catalog.committed_steps(job_path)
     if not steps:
         print("  (no committed checkpoint)", file=out)
-        return
-    print(f"  {'STEP':>10}  {'RANKS':>5}  {'BYTES':>12}  AGE", file=out)
+    else:
+        print(f"  {'STEP':>10}  {'RANKS':>5}  {'BYTES':>12}  AGE", file=out)
     for step in steps:
         try:
             found = manifest.read_manifest(layout.step_dir(job_path, step))
@@ -63,6 +63,8 @@ def print_listing(job_path: Path, out: TextIO) -> None:
             continue
         print(f"  {step:>10}  {found.world_size:>5}  {_size(found.total_bytes):>12}  "
               f"{_age(time.time() - found.created_unix)}", file=out)
+    for path in layout.set_aside_dirs(job_path):
+        print(f"  set aside as corrupt (kept for inspection; delete it when done): {path}", file=out)
 
 
 def run_ls(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ from stowaway.sidecar import retention
 from stowaway.sidecar.config import SidecarConfig
 from stowaway.sidecar.ranks import Registry
 from stowaway.sidecar.stats import Stats
-from stowaway.storage import catalog, durable, layout, manifest
+from stowaway.storage import catalog, durable, layout, manifest, set_aside
 
 log = logging.getLogger(__name__)
 _REMEMBERED_FAILURES = 256
@@ -320,6 +320,12 @@ class Committer:
         job_path = self.job_path(pending.job)
         if pending.step >= max(catalog.committed_steps(job_path), default=-1):
             durable.write_atomic(job_path / layout.LATEST, f"{pending.step}\n".encode())
+
+    def set_aside(self, job: str, step: int) -> Path | None:
+        """Set committed ``step`` aside as corrupt (``storage.set_aside``), under the lock commits take to
+        move ``latest``."""
+        with self._storage_lock:
+            return set_aside.set_aside(self.job_path(job), step)
 
     async def _apply_retention(self, pending: PendingStep) -> None:
         """Delete what retention drops, after the ranks heard of the commit: deleting gigabytes takes a while."""

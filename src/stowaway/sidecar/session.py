@@ -122,6 +122,19 @@ class Session:
                 f"{action} names slot {index}, which the sidecar still owns: wait for its released message"
             )
 
+    async def _set_aside(self, job: str, step: int) -> str:
+        """Set a step found corrupt aside, so that the job can save it again; what to add to the reason."""
+        try:
+            target = await asyncio.to_thread(self._sidecar.committer.set_aside, job, step)
+        except OSError as exc:
+            log.error("step %d of job %s is corrupt and could not be set aside: %s", step, job, exc)
+            return f"; it could not be set aside ({exc.strerror}), so saving step {step} again will be refused"
+        if target is None:
+            return ""
+        log.warning("step %d of job %s is corrupt: set it aside as %s, so that it can be saved again; "
+                    "its files are kept there for inspection", step, job, target)
+        return f"; the step was set aside as {target}, so that it can be saved again"
+
     async def _stage(self, state: RankState, step: int, index: int) -> None:
         self._owned_slot(state, index, "stage")
         state.busy.add(index)
@@ -132,8 +145,11 @@ class Session:
             )
         except PersistError as exc:
             self._sidecar.stats.failed(exc.kind)
+            reason = str(exc)
+            if exc.kind == "restore_corrupt":
+                reason += await self._set_aside(state.job, step)
             state.busy.discard(index)
-            state.send({"type": "failed", "step": step, "slot": index, "reason": str(exc)})
+            state.send({"type": "failed", "step": step, "slot": index, "reason": reason})
             return
         state.busy.discard(index)
         state.send({"type": "staged", "step": step, "slot": index, "generation": generation, "nbytes": nbytes})

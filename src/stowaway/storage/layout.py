@@ -5,6 +5,7 @@
     <storage>/<job>/step-000000000042/failed-<node>.json   (a node gave up on the step)
     <storage>/<job>/step-000000000042/manifest.json     (written last)
     <storage>/<job>/latest                              (convenience pointer)
+    <storage>/<job>/corrupt-step-000000000042-<ns>/...  (a committed step found corrupt, set aside)
 
 A checkpoint exists if and only if its manifest exists.
 """
@@ -18,6 +19,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 TMP_SUFFIX = ".tmp"
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
+_SET_ASIDE_DIR = re.compile(r"^corrupt-step-(\d{12})-\d+$")
 
 
 def job_dir(storage: Path, job: str) -> Path:
@@ -26,6 +28,18 @@ def job_dir(storage: Path, job: str) -> Path:
 
 def step_dir(job_path: Path, step: int) -> Path:
     return job_path / f"step-{step:012d}"
+
+
+def set_aside_dir(job_path: Path, step: int, stamp_ns: int) -> Path:
+    """Where a corrupt committed step goes: out of the step names, so it is no checkpoint any more."""
+    return job_path / f"corrupt-step-{step:012d}-{stamp_ns}"
+
+
+def set_aside_dirs(job_path: Path) -> list[Path]:
+    """Steps set aside as corrupt, oldest step first."""
+    if not job_path.is_dir():
+        return []
+    return sorted(entry for entry in job_path.iterdir() if _SET_ASIDE_DIR.match(entry.name) and entry.is_dir())
 
 
 def step_of(path: Path) -> int | None:
