@@ -16,7 +16,7 @@ def stowaway(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
                           **kwargs)
 
 
-@pytest.mark.parametrize("command", [[], ["sidecar"], ["run"], ["ls"], ["verify"], ["inspect"]])
+@pytest.mark.parametrize("command", [[], ["sidecar"], ["run"], ["ls"], ["verify"], ["inspect"], ["rollback"]])
 def test_every_command_has_help(command):
     result = stowaway(*command, "--help")
     assert result.returncode == 0

@@ -163,7 +163,7 @@ def test_a_bit_flip_in_storage_is_found_by_verify_and_load_falls_back_to_the_old
     assert fresh.call(op="load") == {"step": 2, "intact": True, "numel": 1024}
     listing = subprocess.run([sys.executable, "-m", "stowaway", "ls", str(storage / "flip")],
                              capture_output=True, text=True, check=True).stdout
-    assert f"set aside as corrupt (kept for inspection; delete it when done): {aside[0]}" in listing
+    assert f"set aside (kept for inspection; delete it when done): {aside[0]}" in listing
 
 
 def test_ranks_in_a_process_group_restore_the_same_step_when_one_ranks_newest_file_is_corrupt(

@@ -21,20 +21,20 @@ def committed_job(root: Path, steps: list[int], latest: int) -> Path:
 
 def test_the_newest_step_set_aside_is_no_checkpoint_keeps_its_files_and_latest_moves_back(tmp_path):
     job = committed_job(tmp_path, [1, 2, 3], latest=3)
-    target = set_aside(job, 3)
+    target = set_aside(job, 3, layout.CORRUPT)
     assert target is not None and target.name.startswith("corrupt-step-000000000003-")
     assert (target / layout.rank_file_name(0, 1)).read_bytes() == b"bytes of 3"
     assert catalog.committed_steps(job) == [1, 2]
     assert layout.set_aside_dirs(job) == [target]
     assert (job / layout.LATEST).read_text() == "2\n"
-    assert set_aside(job, 3) is None, "a second rank that finds the same step corrupt finds it gone"
+    assert set_aside(job, 3, layout.CORRUPT) is None, "a second rank that finds the same step corrupt finds it gone"
 
 
 def test_an_older_step_set_aside_leaves_latest_alone_and_the_last_one_removes_it(tmp_path):
     job = committed_job(tmp_path, [1, 2], latest=2)
-    set_aside(job, 1)
+    set_aside(job, 1, layout.CORRUPT)
     assert (job / layout.LATEST).read_text() == "2\n"
-    set_aside(job, 2)
+    set_aside(job, 2, layout.ROLLED_BACK)
     assert catalog.committed_steps(job) == []
     assert not (job / layout.LATEST).exists(), "latest must not name a step that is no checkpoint"
     assert len(layout.set_aside_dirs(job)) == 2

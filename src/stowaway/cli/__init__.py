@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from stowaway.cli import catalog_cmds, run_cmd, sidecar_cmd
+from stowaway.cli import catalog_cmds, rollback_cmd, run_cmd, sidecar_cmd
 from stowaway.cli.errors import CommandError
 from stowaway.errors import StowawayError
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     sidecar_cmd.add_parser(commands)
     run_cmd.add_parser(commands)
     catalog_cmds.add_parsers(commands)
+    rollback_cmd.add_parser(commands)
     return parser
 
 

@@ -41,7 +41,7 @@ def job_paths(path: Path) -> list[Path]:
     return sorted(child for child in path.iterdir() if child.is_dir() and layout.is_job_dir(child))
 
 
-def _single_job(path: Path) -> Path:
+def single_job(path: Path) -> Path:
     jobs = job_paths(path)
     if len(jobs) != 1:
         names = ", ".join(job.name for job in jobs) or "none"
@@ -64,7 +64,7 @@ def print_listing(job_path: Path, out: TextIO) -> None:
         print(f"  {step:>10}  {found.world_size:>5}  {_size(found.total_bytes):>12}  "
               f"{_age(time.time() - found.created_unix)}", file=out)
     for path in layout.set_aside_dirs(job_path):
-        print(f"  set aside as corrupt (kept for inspection; delete it when done): {path}", file=out)
+        print(f"  set aside (kept for inspection; delete it when done): {path}", file=out)
 
 
 def run_ls(args: argparse.Namespace) -> int:
@@ -78,7 +78,7 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    job = _single_job(args.dir)
+    job = single_job(args.dir)
     steps = [args.step] if args.step is not None else catalog.committed_steps(job)
     if not steps:
         raise CommandError(f"{job} holds no committed checkpoint to verify")
@@ -100,7 +100,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    job = _single_job(args.dir)
+    job = single_job(args.dir)
     step_path = layout.step_dir(job, args.step)
     try:
         found = manifest.read_manifest(step_path)

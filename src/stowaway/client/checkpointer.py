@@ -516,6 +516,8 @@ class Checkpointer:
                 return
         handle = self._handles.pop(step, None)
         if handle is not None:
+            # Logged as well: a loop that never waits for its handles would not hear of it otherwise.
+            log.warning("rank %d: step %d was not committed: %s", self.rank, step, message["reason"])
             handle._resolve(message["reason"])
 
     def _return_slot(self, index: int, step: int, generation: int | None) -> None:

@@ -93,11 +93,9 @@ class Committer:
         if pending is not None and pending.run != run:
             return f"step {step} is being saved by another run ({pending.run}) of job {job}"
         if pending is None:
-            if (step_path / layout.MANIFEST).exists():
-                return (
-                    f"step {step} of job {job} is already committed at {step_path}; a checkpoint is "
-                    "never overwritten: save a later step (load() returns the step to continue from)"
-                )
+            behind = self._behind_committed(job, run, step, step_path)
+            if behind is not None:
+                return behind
             elsewhere = self._failed_before_admission(job, run, step, world_size, local_world_size, step_path)
             if elsewhere is not None:
                 return elsewhere
@@ -261,6 +259,34 @@ class Committer:
         elsewhere = self._failure_elsewhere(pending.run, pending.step, step_path)
         return elsewhere, (None if elsewhere is not None else self._commit_if_complete(pending, step_path))
 
+    def _behind_committed(self, job: str, run: str, step: int, step_path: Path) -> str | None:
+        """Refuse a step already committed, or older than the newest committed one.
+
+        ``load()`` resumes from the newest step and retention keeps the newest
+        steps, so a job's steps must grow: an older step saved by a run that
+        started over under the job's name, without loading, would commit, be
+        deleted by the retention of its own commit, and never be restored.
+        Counted and remembered once per step, so the job's other ranks get the
+        same answer without another listing.
+        """
+        if (step_path / layout.MANIFEST).exists():
+            reason = (f"step {step} of job {job} is already committed at {step_path}; a checkpoint is never "
+                      "overwritten: save a later step (load() returns the step to continue from), or, to go back "
+                      f"to an older step, stop the job and run `stowaway rollback {self.job_path(job)} --to STEP`")
+        else:
+            newest = max(catalog.committed_steps(self.job_path(job)), default=-1)
+            if step > newest:
+                return None
+            reason = (f"step {step} is older than step {newest}, the newest committed checkpoint of job {job}: "
+                      "load() resumes from the newest step and retention keeps the newest steps, so this one would "
+                      "never be restored. Continue from the step load() returns; to start a new run, give it "
+                      "another job name (STOWAWAY_JOB); to go back to an older step, stop the job and run "
+                      f"`stowaway rollback {self.job_path(job)} --to STEP`")
+        self._remember_failure(job, step, run, reason)
+        self._stats.failed("step_refused")
+        log.warning("step %d of job %s refused: %s", step, job, reason)
+        return reason
+
     def _failed_before_admission(self, job: str, run: str, step: int, world_size: int, local_world_size: int,
                                  step_path: Path) -> str | None:
         """Another node's notice for a step this node has not started: refuse it rather than persist in vain.
@@ -325,7 +351,7 @@ class Committer:
         """Set committed ``step`` aside as corrupt (``storage.set_aside``), under the lock commits take to
         move ``latest``."""
         with self._storage_lock:
-            return set_aside.set_aside(self.job_path(job), step)
+            return set_aside.set_aside(self.job_path(job), step, layout.CORRUPT)
 
     async def _apply_retention(self, pending: PendingStep) -> None:
         """Delete what retention drops, after the ranks heard of the commit: deleting gigabytes takes a while."""

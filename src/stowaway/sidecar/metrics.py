@@ -38,7 +38,7 @@ BUCKETS = (
 FAILURE_REASONS = (
     "storage_full", "storage_read_only", "storage_io", "slot_invalid", "slot_overwritten", "commit_timeout",
     "other_node_failed", "protocol", "peer_refused", "internal", "restore_missing", "restore_slot_small",
-    "restore_io", "restore_corrupt",
+    "restore_io", "restore_corrupt", "step_refused",
 )
 
 

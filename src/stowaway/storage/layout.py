@@ -6,6 +6,7 @@
     <storage>/<job>/step-000000000042/manifest.json     (written last)
     <storage>/<job>/latest                              (convenience pointer)
     <storage>/<job>/corrupt-step-000000000042-<ns>/...  (a committed step found corrupt, set aside)
+    <storage>/<job>/rolled-back-step-000000000042-<ns>/...  (set aside by `stowaway rollback`)
 
 A checkpoint exists if and only if its manifest exists.
 """
@@ -19,7 +20,10 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 TMP_SUFFIX = ".tmp"
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
-_SET_ASIDE_DIR = re.compile(r"^corrupt-step-(\d{12})-\d+$")
+# Why a step was set aside: found corrupt by a restore, or rolled back by hand.
+CORRUPT = "corrupt"
+ROLLED_BACK = "rolled-back"
+_SET_ASIDE_DIR = re.compile(rf"^({CORRUPT}|{ROLLED_BACK})-step-(\d{{12}})-\d+$")
 
 
 def job_dir(storage: Path, job: str) -> Path:
@@ -30,16 +34,19 @@ def step_dir(job_path: Path, step: int) -> Path:
     return job_path / f"step-{step:012d}"
 
 
-def set_aside_dir(job_path: Path, step: int, stamp_ns: int) -> Path:
-    """Where a corrupt committed step goes: out of the step names, so it is no checkpoint any more."""
-    return job_path / f"corrupt-step-{step:012d}-{stamp_ns}"
+def set_aside_dir(job_path: Path, step: int, stamp_ns: int, why: str) -> Path:
+    """Where a step set aside goes (``why`` is CORRUPT or ROLLED_BACK): out of the step names, so it is no
+    checkpoint any more."""
+    return job_path / f"{why}-step-{step:012d}-{stamp_ns}"
 
 
 def set_aside_dirs(job_path: Path) -> list[Path]:
-    """Steps set aside as corrupt, oldest step first."""
+    """Steps set aside, by step."""
     if not job_path.is_dir():
         return []
-    return sorted(entry for entry in job_path.iterdir() if _SET_ASIDE_DIR.match(entry.name) and entry.is_dir())
+    found = [(match, entry) for entry in job_path.iterdir() if (match := _SET_ASIDE_DIR.match(entry.name))]
+    return [entry for match, entry in sorted(found, key=lambda item: (int(item[0].group(2)), item[1].name))
+            if entry.is_dir()]
 
 
 def step_of(path: Path) -> int | None:

@@ -1,0 +1,48 @@
+"""``stowaway rollback``: go back to an older committed step, setting every newer step aside.
+
+A job's steps must grow (``load()`` resumes from the newest, retention keeps
+the newest), so a job that should continue from an older step (after a loss
+spike, or a bad data shard) needs the newer steps out of the step names. They
+are renamed, not deleted: ``stowaway ls`` lists them, and renaming one back
+undoes the rollback.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from stowaway.cli.catalog_cmds import single_job
+from stowaway.cli.errors import CommandError
+from stowaway.storage import catalog, layout
+from stowaway.storage.set_aside import set_aside
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    rollback = commands.add_parser(
+        "rollback", help="make an older committed step the newest, setting newer steps aside",
+        description="Make committed step --to the newest of the job, so that load() resumes from it and the job "
+        "saves the steps after it again: every newer step directory, committed or partial, is renamed to "
+        "rolled-back-step-<step>-<ns> with its files. Run it while the job is stopped.")
+    rollback.add_argument("dir", type=Path, help="one job's directory in the storage (or a storage holding one job)")
+    rollback.add_argument("--to", type=int, required=True, metavar="STEP", help="the committed step to go back to")
+    rollback.set_defaults(handler=run_rollback)
+
+
+def run_rollback(args: argparse.Namespace) -> int:
+    job = single_job(args.dir)
+    committed = catalog.committed_steps(job)
+    if args.to not in committed:
+        listed = ", ".join(str(step) for step in committed[-10:]) or "none"
+        raise CommandError(f"step {args.to} is not committed in {job} (newest committed: {listed}); "
+                           "nothing was set aside")
+    newer = sorted((step for step in layout.step_dirs(job) if step > args.to), reverse=True)
+    if not newer:
+        print(f"step {args.to} is already the newest step of {job}; nothing to set aside")
+        return 0
+    for step in newer:
+        target = set_aside(job, step, layout.ROLLED_BACK)
+        if target is not None:
+            print(f"step {step}: set aside as {target}")
+    print(f"step {args.to} is now the newest committed step of {job}: load() resumes from it")
+    return 0
