@@ -75,6 +75,10 @@ class Committer:
         self._stats = stats
         self._pending: dict[tuple[str, int], PendingStep] = {}
         self._failed: dict[tuple[str, int, str], str] = {}
+        # The newest committed step per job as last seen: a step above it is admitted without listing the
+        # job's directory in the event loop. It may lag (other nodes commit, steps are set aside), so a step
+        # at or below it is checked against the storage before it is refused.
+        self._newest_committed: dict[str, int] = {}
         # Commits of one job run in worker threads; the manifest, `latest` and retention
         # of one job are changed by one thread at a time.
         self._storage_lock = threading.Lock()
@@ -274,7 +278,11 @@ class Committer:
                       "overwritten: save a later step (load() returns the step to continue from), or, to go back "
                       f"to an older step, stop the job and run `stowaway rollback {self.job_path(job)} --to STEP`")
         else:
+            known = self._newest_committed.get(job)
+            if known is not None and step > known:
+                return None
             newest = max(catalog.committed_steps(self.job_path(job)), default=-1)
+            self._newest_committed[job] = newest
             if step > newest:
                 return None
             reason = (f"step {step} is older than step {newest}, the newest committed checkpoint of job {job}: "
@@ -344,7 +352,9 @@ class Committer:
             ),
         )
         job_path = self.job_path(pending.job)
-        if pending.step >= max(catalog.committed_steps(job_path), default=-1):
+        newest = max(catalog.committed_steps(job_path), default=-1)
+        self._newest_committed[pending.job] = newest
+        if pending.step >= newest:
             durable.write_atomic(job_path / layout.LATEST, f"{pending.step}\n".encode())
 
     def set_aside(self, job: str, step: int) -> Path | None:
