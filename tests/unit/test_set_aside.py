@@ -38,3 +38,4 @@ def test_an_older_step_set_aside_leaves_latest_alone_and_the_last_one_removes_it
     assert catalog.committed_steps(job) == []
     assert not (job / layout.LATEST).exists(), "latest must not name a step that is no checkpoint"
     assert len(layout.set_aside_dirs(job)) == 2
+    assert layout.is_job_dir(job), "stowaway ls still finds the job, to list what was set aside"

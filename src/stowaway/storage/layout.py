@@ -79,4 +79,4 @@ def step_dirs(job_path: Path) -> dict[int, Path]:
 
 
 def is_job_dir(path: Path) -> bool:
-    return bool(step_dirs(path)) or (path / LATEST).exists()
+    return bool(step_dirs(path)) or (path / LATEST).exists() or bool(set_aside_dirs(path))
