@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -24,8 +25,10 @@ pytestmark = pytest.mark.k8s
 
 DEPLOY = REPO / "deploy"
 DASHBOARD = CHART / "dashboards" / "stowaway-dashboard.json"
+ALERTS = CHART / "rules" / "stowaway-alerts.yaml"
 MONITORING_CRDS = Path(__file__).with_name("monitoring-crds.yaml")
 MONITORS = ("monitoring.coreos.com/v1/PodMonitor", "monitoring.coreos.com/v1/ServiceMonitor")
+PROMETHEUS_RULE = "monitoring.coreos.com/v1/PrometheusRule"
 
 
 def test_every_copy_of_the_crd_is_identical_to_the_chart_source() -> None:
@@ -37,6 +40,7 @@ def test_deploy_is_exactly_what_hack_render_deploy_generates(k8s_cluster: Cluste
                    env={**k8s_cluster.cli_env(), "HELM": str(k8s_cluster.helm)})
     generated = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*") if path.is_file())
     assert Path("grafana/stowaway-dashboard.json") in generated
+    assert Path("prometheus/stowaway-alerts.yaml") in generated
     for name in generated:
         assert (tmp_path / name).read_text() == (DEPLOY / name).read_text(), f"deploy/{name} drifted: " \
             "run hack/render-deploy"
@@ -98,15 +102,17 @@ def test_the_example_job_passes_server_side_dry_run(k8s_cluster: Cluster, k8s_na
                     "-f", str(DEPLOY / "examples" / "train-job.yaml"))
 
 
-def test_every_copy_of_the_dashboard_is_identical_to_the_chart_source() -> None:
+def test_every_copy_of_the_dashboard_and_the_alerts_is_identical_to_the_chart_source() -> None:
     assert (DEPLOY / "grafana" / "stowaway-dashboard.json").read_bytes() == DASHBOARD.read_bytes(), \
+        "run hack/render-deploy"
+    assert (DEPLOY / "prometheus" / "stowaway-alerts.yaml").read_bytes() == ALERTS.read_bytes(), \
         "run hack/render-deploy"
 
 
 def test_monitors_are_not_rendered_where_the_prometheus_operator_is_not_installed(k8s_cluster: Cluster) -> None:
     kinds = {doc["kind"] for doc in render(k8s_cluster)}
     assert "Deployment" in kinds
-    assert not kinds & {"PodMonitor", "ServiceMonitor"}
+    assert not kinds & {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
 
 
 def test_the_pod_monitor_scrapes_the_injected_sidecars_port_with_the_training_job_as_job(
@@ -130,6 +136,16 @@ def test_the_pod_monitor_scrapes_the_injected_sidecars_port_with_the_training_jo
     assert scraped["port"] in {port["name"] for port in service["spec"]["ports"]}
 
 
+def test_the_prometheus_rule_holds_the_chart_s_alerts_with_the_labels_asked_for(k8s_cluster: Cluster) -> None:
+    rendered = render(k8s_cluster, "--api-versions", PROMETHEUS_RULE, "--set",
+                      "monitoring.prometheusRule.labels.release=kube-prometheus-stack")
+    (rule,) = [d for d in rendered if d["kind"] == "PrometheusRule"]
+    assert rule["spec"] == yaml.safe_load(ALERTS.read_text()), "the alerts promtool tested, unchanged"
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    off = render(k8s_cluster, "--api-versions", PROMETHEUS_RULE, "--set", "monitoring.prometheusRule.enabled=false")
+    assert "PrometheusRule" not in {doc["kind"] for doc in off}
+
+
 @pytest.fixture
 def monitoring_crds(k8s_cluster: Cluster, k8s_api: client.ApiClient) -> Iterator[None]:
     """The stand-in Prometheus Operator CRDs, Established, and removed afterwards."""
@@ -140,7 +156,8 @@ def monitoring_crds(k8s_cluster: Cluster, k8s_api: client.ApiClient) -> Iterator
         return all(
             any(c.type == "Established" and c.status == "True"
                 for c in ext.read_custom_resource_definition(name).status.conditions or [])
-            for name in ("podmonitors.monitoring.coreos.com", "servicemonitors.monitoring.coreos.com")
+            for name in ("podmonitors.monitoring.coreos.com", "servicemonitors.monitoring.coreos.com",
+                         "prometheusrules.monitoring.coreos.com")
         )
 
     eventually(established, what="the monitoring CRDs to be Established")
@@ -152,7 +169,7 @@ def monitoring_crds(k8s_cluster: Cluster, k8s_api: client.ApiClient) -> Iterator
                what="the monitoring CRDs to be deleted")
 
 
-def test_helm_install_creates_the_monitors_where_the_crds_exist_and_the_dashboard_config_map(
+def test_helm_install_creates_the_monitors_and_alerts_where_the_crds_exist_and_the_dashboard_config_map(
     k8s_cluster: Cluster, k8s_api: client.ApiClient, k8s_namespace: str, checkpointpolicy_crd: str,
     monitoring_crds: None,
 ) -> None:
@@ -160,7 +177,7 @@ def test_helm_install_creates_the_monitors_where_the_crds_exist_and_the_dashboar
     custom = client.CustomObjectsApi(k8s_api)
     try:
         k8s_cluster.run("helm", "install", release, str(CHART), "--namespace", k8s_namespace, "--skip-crds")
-        for plural in ("podmonitors", "servicemonitors"):
+        for plural in ("podmonitors", "servicemonitors", "prometheusrules"):
             listed = custom.list_namespaced_custom_object("monitoring.coreos.com", "v1", k8s_namespace, plural)
             assert [m["metadata"]["name"] for m in listed["items"]], f"helm install created no {plural}"
         dashboard = client.CoreV1Api(k8s_api).read_namespaced_config_map(f"{release}-stowaway-dashboard",
