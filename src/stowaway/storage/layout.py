@@ -44,9 +44,9 @@ def set_aside_dirs(job_path: Path) -> list[Path]:
     """Steps set aside, by step."""
     if not job_path.is_dir():
         return []
-    found = [(match, entry) for entry in job_path.iterdir() if (match := _SET_ASIDE_DIR.match(entry.name))]
-    return [entry for match, entry in sorted(found, key=lambda item: (int(item[0].group(2)), item[1].name))
-            if entry.is_dir()]
+    found = [(int(match.group(2)), entry.name, entry) for entry in job_path.iterdir()
+             if (match := _SET_ASIDE_DIR.match(entry.name)) and entry.is_dir()]
+    return [entry for *_, entry in sorted(found)]
 
 
 def step_of(path: Path) -> int | None:
