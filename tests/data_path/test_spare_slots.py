@@ -8,6 +8,7 @@ per page: several times a steady save.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -62,6 +63,26 @@ def test_the_other_slots_are_allocated_and_resident_before_a_save_uses_them(pool
         assert os.stat(slot.file.path).st_blocks * 512 >= shm.file_size_for(CAPACITY), "pages not reserved"
         assert resident_bytes(slot.file.path) >= CAPACITY, "pages not faulted into the rank's mapping"
     assert resident_bytes(pool.slots[0].file.path) < CAPACITY, "the first slot was faulted in at allocation"
+
+
+def test_faulting_a_slot_in_lets_the_rank_map_memory_meanwhile_and_leaves_every_page_resident(short_tmp):
+    """The prefault holds the process's mmap lock while it faults a range in; an allocation of the training
+    thread that maps memory must not wait for a whole slot (a save right after the first waited seconds)."""
+    path = Path("/dev/shm") / f"{short_tmp.name}-prefault"
+    size = 64 * shm.POPULATE_CHUNK_BYTES + 3 * 4096  # many chunks, and a tail shorter than one
+    slot = shm.SlotFile.create(path, size)
+    try:
+        worker = threading.Thread(target=slot.prefault)
+        worker.start()
+        wait_for(lambda: resident_bytes(path) > 0, "the prefault to start")
+        with mmap.mmap(-1, 2**20):  # takes the mmap lock for writing, as a large tensor allocation does
+            mapped_at = resident_bytes(path)
+        worker.join(timeout=120)
+        assert mapped_at < size, "mapping memory waited for the whole slot to be faulted in"
+        assert resident_bytes(path) >= size, "not every page of the slot, the tail included, is resident"
+    finally:
+        slot.close()
+        path.unlink()
 
 
 def test_reserve_makes_every_slot_resident_before_the_first_save_which_then_lands_in_one_of_them(
