@@ -37,6 +37,9 @@ CONTEXT = (
     ("save while the previous persists / copy reference", "stowaway.save.overlapped.steady", (("reference.copy",),)),
     ("first save into the spare slot / copy reference", "stowaway.save.overlapped.first", (("reference.copy",),)),
     ("first save after reserve() / copy reference", "stowaway.save.reserved.first", (("reference.copy",),)),
+    # Near 1: a memory mapping of the training loop waited for the whole reserve().
+    ("longest mmap during reserve() / reserve() itself", "stowaway.mmap_during_reserve.first",
+     (("stowaway.reserve.first",),)),
     ("committed / (copy + fastest write)", "stowaway.committed.steady",
      (("reference.copy",), ("reference.write_buffered", "reference.write_direct"))),
     # Per-tensor work shows in CPU time even where the wall time hides it behind memory bandwidth.
@@ -58,6 +61,9 @@ CONTEXT = (
 
 ROWS = (
     ("stowaway.save.first", "Stowaway save, first (blocking)"),
+    ("stowaway.reserve.first", "Stowaway reserve(wait=True): allocating and faulting in every slot"),
+    ("stowaway.mmap_during_reserve.first", "longest mmap+munmap of 64 MiB by the rank while reserve() runs"),
+    ("reference.mmap.first", "reference: longest mmap+munmap of 64 MiB, with nothing running"),
     ("stowaway.save.reserved.first", "Stowaway save, first after reserve() (blocking)"),
     ("stowaway.save.steady", "Stowaway save, steady (blocking)"),
     ("stowaway.save.overlapped.first", "Stowaway save while the previous persists, first into the spare slot"),

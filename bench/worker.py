@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import mmap
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +30,7 @@ from bench import references, state, system
 from stowaway import Checkpointer
 
 Results = dict[str, list[float]]
+MAPPING_BYTES = 64 * 2**20
 
 
 class Run:
@@ -158,12 +161,13 @@ def measure_overlapped_saves(run: Run, training: dict[str, Any]) -> None:
 
     ``reserve`` faults both slots into this checkpointer's mapping (the one
     of the phase before is reused, so the rank holds two slots at most,
-    never three) and encodes the state once; the first save then shows what
-    it costs a job that reserved ahead. The first overlapped save is the
-    first into the second slot.
+    never three) and encodes the state once, while the rank allocates
+    (``_mappings_during``); the first save then shows what it costs a
+    job that reserved ahead. The first overlapped save is the first into the
+    second slot.
     """
     with Checkpointer(slots=2, timeout=1800) as ckpt:
-        ckpt.reserve(training, wait=True)
+        _mappings_during(run, lambda: ckpt.reserve(training, wait=True))
         step = run.reps + 1
         started = run.start()
         handle = ckpt.save(step, training)
@@ -180,6 +184,39 @@ def measure_overlapped_saves(run: Run, training: dict[str, Any]) -> None:
             persisting.wait()
             overlapped.wait()
             step += 2
+
+
+def _mappings_during(run: Run, reserve: Callable[[], None]) -> None:
+    """The longest of the rank's memory mappings while ``reserve`` faults its slots in, and without it.
+
+    A training process maps and unmaps memory (a large tensor the heap
+    cannot serve, pinned buffers, shared memory of data loaders), and each
+    mmap or munmap waits for whatever holds the process's mmap lock: faulting
+    a slot in does. The longest wait shows how long the training loop may
+    stall meanwhile; with a slot faulted in as one call, it was a whole slot.
+    The mappings are made directly: a tensor may come from free heap memory
+    and map nothing.
+    """
+    run.start()
+    started = time.perf_counter()
+    reserving = threading.Thread(target=reserve, name="bench-reserve")
+    reserving.start()
+    during = _mappings(until=lambda: not reserving.is_alive())
+    reserving.join()
+    run.record("stowaway.reserve.first", time.perf_counter() - started)
+    run.record("stowaway.mmap_during_reserve.first", max(during))
+    run.start()
+    run.record("reference.mmap.first", max(_mappings(until=lambda: True, at_least=len(during))))
+
+
+def _mappings(until: Callable[[], bool], at_least: int = 1) -> list[float]:
+    """Times of ``MAPPING_BYTES`` of anonymous memory mapped and unmapped one after another, until ``until()``."""
+    times: list[float] = []
+    while len(times) < at_least or not until():
+        started = time.perf_counter()
+        mmap.mmap(-1, MAPPING_BYTES).close()
+        times.append(time.perf_counter() - started)
+    return times
 
 
 def measure_torch_save(run: Run, training: dict[str, Any]) -> None:
