@@ -161,9 +161,9 @@ def measure_overlapped_saves(run: Run, training: dict[str, Any]) -> None:
 
     ``reserve`` faults both slots into this checkpointer's mapping (the one
     of the phase before is reused, so the rank holds two slots at most,
-    never three) and encodes the state once, while the rank allocates
-    (``_mappings_during``); the first save then shows what it costs a
-    job that reserved ahead. The first overlapped save is the first into the
+    never three) and encodes the state once, while the rank maps and unmaps
+    memory (``_mappings_during``); the first save then shows what it costs
+    a job that reserved ahead. The first overlapped save is the first into the
     second slot.
     """
     with Checkpointer(slots=2, timeout=1800) as ckpt:

@@ -98,7 +98,8 @@ class SlotFile:
             start, size = ctypes.addressof(anchor), len(self._map)
             for offset in range(0, size, POPULATE_CHUNK_BYTES):
                 length = min(POPULATE_CHUNK_BYTES, size - offset)
-                _libc.madvise(ctypes.c_void_p(start + offset), ctypes.c_size_t(length), _MADV_POPULATE_WRITE)
+                if _libc.madvise(ctypes.c_void_p(start + offset), ctypes.c_size_t(length), _MADV_POPULATE_WRITE):
+                    break  # refused (a kernel before 5.14): the rest would be refused alike
         finally:
             del anchor
 
