@@ -61,6 +61,7 @@ def run_config(total: int, ranks: int, reps: int, storage: Path, device: str) ->
         result = json.loads(out.read_text())
         result["ranks"] = ranks
         result["total"] = total
+        result["cores"] = os.cpu_count()
         result["sidecar_peak_rss_bytes"] = system.status_bytes(sidecar.pid, "VmHWM")
         result["sidecar_peak_private_bytes"] = private.stop()
         return result

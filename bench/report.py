@@ -40,6 +40,8 @@ CONTEXT = (
     # Near 1: a memory mapping of the training loop waited for the whole reserve().
     ("longest mmap during reserve() / reserve() itself", "stowaway.mmap_during_reserve.first",
      (("stowaway.reserve.first",),)),
+    # The save's work beyond the copy, where the cores are shared and wall time cannot tell it from waiting.
+    ("save blocking / copy, CPU time", "stowaway.save.steady.cpu", (("reference.copy.cpu",),)),
     ("committed / (copy + fastest write)", "stowaway.committed.steady",
      (("reference.copy",), ("reference.write_buffered", "reference.write_direct"))),
     # Per-tensor work shows in CPU time even where the wall time hides it behind memory bandwidth.
@@ -59,6 +61,16 @@ CONTEXT = (
     ("restore from storage / DCP load", "stowaway.restore.storage", (("dcp.load",),)),
 )
 
+# Wall time over the least it could take given the CPU it used: all ranks' CPU time spread over every core.
+# Near 1, the cores were busy throughout and the measurement is bound by CPU work; well above 1, by memory,
+# the device, or other processes (the sidecar among them).
+CPU_FLOORS = (
+    ("save blocking / its CPU floor", "stowaway.save.steady"),
+    ("copy reference / its CPU floor", "reference.copy"),
+    ("restore from memory / its CPU floor", "stowaway.restore.memory"),
+    ("copy-out reference / its CPU floor", "reference.copy_out_fresh"),
+)
+
 ROWS = (
     ("stowaway.save.first", "Stowaway save, first (blocking)"),
     ("stowaway.reserve.first", "Stowaway reserve(wait=True): allocating and faulting in every slot"),
@@ -66,6 +78,7 @@ ROWS = (
     ("reference.mmap.first", "reference: longest mmap+munmap of 64 MiB, with nothing running"),
     ("stowaway.save.reserved.first", "Stowaway save, first after reserve() (blocking)"),
     ("stowaway.save.steady", "Stowaway save, steady (blocking)"),
+    ("stowaway.save.steady.cpu", "Stowaway save, steady, CPU time"),
     ("stowaway.save.overlapped.first", "Stowaway save while the previous persists, first into the spare slot"),
     ("stowaway.save.overlapped.steady", "Stowaway save while the previous persists, steady"),
     ("stowaway.committed.first", "Stowaway committed, first"),
@@ -77,6 +90,7 @@ ROWS = (
                                          "CPU time"),
     ("stowaway.restore.storage", "Stowaway restore from storage"),
     ("reference.copy", "reference: copy_ into resident shared memory"),
+    ("reference.copy.cpu", "reference: copy_ into resident shared memory, CPU time"),
     ("reference.copy_pinned", "reference: non-blocking copy_ into pinned shared memory (GPU)"),
     ("reference.copy_out_fresh", "reference: copy out into new tensors"),
     ("reference.copy_out_fresh.cpu", "reference: copy out into new tensors, CPU time"),
@@ -136,14 +150,19 @@ def context_table(results: list[dict[str, Any]]) -> str:
     """Each term of a denominator is the fastest of its alternatives; the terms are added."""
     ratios = [(label, numerator, terms) for label, numerator, terms in CONTEXT
               if _measured(results, numerator, *(name for term in terms for name in term))]
-    lines = ["| checkpoint | ranks | " + " | ".join(label for label, _, _ in ratios) + " |",
-             "|---|---:|" + "---:|" * len(ratios)]
+    floors = [(label, wall) for label, wall in CPU_FLOORS
+              if _measured(results, wall, f"{wall}.cpu_all") and all("cores" in result for result in results)]
+    labels = [label for label, _, _ in ratios] + [label for label, _ in floors]
+    lines = ["| checkpoint | ranks | " + " | ".join(labels) + " |", "|---|---:|" + "---:|" * len(labels)]
     for result in results:
         seconds = result["seconds"]
         cells = []
         for _, numerator, terms in ratios:
             denominator = sum(min(median(seconds[name]) for name in term) for term in terms)
             cells.append(f"{median(seconds[numerator]) / denominator:.2f}")
+        for _, wall in floors:
+            floor = median(seconds[f"{wall}.cpu_all"]) / result["cores"]
+            cells.append(f"{median(seconds[wall]) / floor:.2f}")
         lines.append(f"| {size_label(result['total'])} | {result['ranks']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

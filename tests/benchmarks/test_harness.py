@@ -20,6 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU_ONLY = {"reference.copy_pinned"}
 
 
+def measured_keys(rows: set[str]) -> set[str]:
+    """The report's rows, and for each CPU time the sum over all ranks that its CPU floor needs."""
+    return rows | {key.removesuffix(".cpu") + ".cpu_all" for key in rows if key.endswith(".cpu")}
+
+
 def run_bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "bench", "--sizes", "8M", "--reps", "2", "--storage", str(tmp_path / "storage"),
@@ -41,6 +46,7 @@ def assert_everything_measured(tmp_path: Path, ranks: list[int], expected_keys: 
         assert result["sidecar_peak_private_bytes"] > 0 and result["rank_peak_rss_bytes"] > 0
     markdown = (tmp_path / "out" / "results.md").read_text()
     assert "save blocking / copy reference" in markdown and f"| 8 MiB | {ranks[-1]} |" in markdown
+    assert all(f"{label} |" in markdown for label, _ in report.CPU_FLOORS)
     storage = tmp_path / "storage"
     assert not storage.exists() or not any(storage.iterdir()), "the benchmark left files in its storage"
 
@@ -50,7 +56,7 @@ def assert_everything_measured(tmp_path: Path, ranks: list[int], expected_keys: 
 def test_a_small_run_measures_everything_for_each_rank_count(tmp_path):
     finished = run_bench(tmp_path, "--ranks", "1,2")
     assert finished.returncode == 0, finished.stderr[-4000:]
-    assert_everything_measured(tmp_path, [1, 2], {key for key, _ in report.ROWS} - GPU_ONLY)
+    assert_everything_measured(tmp_path, [1, 2], measured_keys({key for key, _ in report.ROWS} - GPU_ONLY))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the GPU run itself is tested instead")
@@ -67,5 +73,5 @@ def test_a_gpu_run_without_cuda_is_refused_before_anything_starts(tmp_path):
 def test_a_small_gpu_run_measures_the_pinned_copy_too(tmp_path):
     finished = run_bench(tmp_path, "--ranks", "1,2", "--device", "cuda")
     assert finished.returncode == 0, finished.stderr[-4000:]
-    assert_everything_measured(tmp_path, [1, 2], {key for key, _ in report.ROWS})
+    assert_everything_measured(tmp_path, [1, 2], measured_keys({key for key, _ in report.ROWS}))
     assert "save blocking / pinned copy reference" in (tmp_path / "out" / "results.md").read_text()
