@@ -31,6 +31,7 @@ POLICY_SPEC = {
     "sidecar": {"image": "", "resources": {}, "metricsPort": 9464, "native": True, "gracePeriodSeconds": 120},
     "persistence": {"concurrency": 2, "directIO": True, "checksum": "xxh3-64"},
     "commitTimeoutSeconds": 60,
+    "alerting": {"staleAfterSeconds": 7200},
 }
 POD = {
     "metadata": {"generateName": "train-", "labels": {"stowaway.dev/inject": "enabled", "job-name": "train"}},

@@ -30,6 +30,7 @@ def test_a_good_policy_goes_ready_with_observed_generation(k8s_api: client.ApiCl
     assert policy["spec"]["sidecar"]["native"] is True
     assert policy["spec"]["sidecar"]["gracePeriodSeconds"] == 120
     assert policy["spec"]["persistence"] == {"concurrency": 4, "directIO": True, "checksum": "xxh3-64"}
+    assert policy["spec"]["alerting"] == {"staleAfterSeconds": 7200}
 
 
 def test_a_policy_whose_claim_is_missing_is_not_ready_and_says_why(

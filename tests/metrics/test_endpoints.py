@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 from data_path.mounts import tmpfs
 from data_path.processes import wait_for
@@ -46,12 +47,43 @@ def test_a_real_scrape_after_saves_passes_promtool_check_metrics(metrics_sidecar
 
 
 def test_ranks_connected_and_slots_in_flight_follow_the_ranks(metrics_sidecar, start_rank) -> None:
-    ranks = [start_rank(metrics_sidecar.process, rank=index, world_size=2) for index in range(2)]
-    assert scrape(metrics_sidecar)["stowaway_ranks_connected"] == 2
-    for rank in ranks:
-        rank.exit()
+    assert scrape(metrics_sidecar)["stowaway_ranks_connected_since_timestamp_seconds"] == 0
+    before = time.time()
+    first = start_rank(metrics_sidecar.process, rank=0, world_size=2)
+    since = scrape(metrics_sidecar)["stowaway_ranks_connected_since_timestamp_seconds"]
+    assert before <= since <= time.time()
+    second = start_rank(metrics_sidecar.process, rank=1, world_size=2)
+    found = scrape(metrics_sidecar)
+    # A second rank joining does not restart the clock of the alerts that wait for a first commit.
+    assert found["stowaway_ranks_connected"] == 2 and found["stowaway_ranks_connected_since_timestamp_seconds"] == since
+    first.exit()
+    wait_for(lambda: scrape(metrics_sidecar)["stowaway_ranks_connected"] == 1, "ranks_connected to drop to 1")
+    assert scrape(metrics_sidecar)["stowaway_ranks_connected_since_timestamp_seconds"] == since
+    second.exit()
     wait_for(lambda: scrape(metrics_sidecar)["stowaway_ranks_connected"] == 0, "ranks_connected to drop to 0")
-    assert scrape(metrics_sidecar)["stowaway_slots_in_flight"] == 0
+    found = scrape(metrics_sidecar)
+    assert found["stowaway_slots_in_flight"] == 0 and found["stowaway_ranks_connected_since_timestamp_seconds"] == 0
+
+
+def test_the_stale_after_limit_of_the_alerts_is_exported_as_given(start_sidecar) -> None:
+    port = free_port()
+    start_sidecar("a", ["--metrics-port", str(port), "--metrics-address", "127.0.0.1", "--stale-after", "21600"])
+    assert samples(http_get(f"http://127.0.0.1:{port}/metrics").body)["stowaway_stale_after_seconds"] == 21600
+
+
+def test_the_stale_after_limit_defaults_to_two_hours(metrics_sidecar) -> None:
+    assert scrape(metrics_sidecar)["stowaway_stale_after_seconds"] == 7200
+
+
+def test_a_stale_after_limit_that_is_not_positive_is_refused_with_what_to_give(short_tmp) -> None:
+    refused = subprocess.run(
+        [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(short_tmp / "st"), "--socket",
+         str(short_tmp / "s.sock"), "--shm-dir", f"/dev/shm/{short_tmp.name}/x", "--stale-after", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert refused.returncode != 0
+    assert "--stale-after must be a positive number of seconds, above the job's save interval" in refused.stderr
+    assert not (short_tmp / "st").exists()
 
 
 def test_a_slot_being_persisted_counts_as_in_flight_until_released(start_sidecar, start_rank) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import errno
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -78,12 +79,15 @@ def test_nonsense_durations_sent_by_a_rank_are_dropped() -> None:
 
 def test_gauges_of_ranks_and_slots_are_read_from_their_source_at_scrape_time() -> None:
     stats = fresh()
-    current = {"ranks": 3, "slots": 1}
-    stats.watch(lambda: current["ranks"], lambda: current["slots"])
-    assert scrape(stats)["stowaway_ranks_connected"] == 3
-    current.update(ranks=0, slots=0)
+    current: dict[str, Any] = {"ranks": 3, "slots": 1, "since": 1_700_000_000.5}
+    stats.watch(lambda: current["ranks"], lambda: current["slots"], lambda: current["since"])
+    found = scrape(stats)
+    assert found["stowaway_ranks_connected"] == 3
+    assert found["stowaway_ranks_connected_since_timestamp_seconds"] == 1_700_000_000.5
+    current.update(ranks=0, slots=0, since=None)
     found = scrape(stats)
     assert (found["stowaway_ranks_connected"], found["stowaway_slots_in_flight"]) == (0, 0)
+    assert found["stowaway_ranks_connected_since_timestamp_seconds"] == 0
 
 
 def test_buckets_span_one_millisecond_to_thirty_minutes() -> None:
@@ -93,7 +97,7 @@ def test_buckets_span_one_millisecond_to_thirty_minutes() -> None:
 
 def test_every_series_is_named_stowaway_and_only_reason_and_le_are_labels() -> None:
     stats = fresh()
-    stats.watch(lambda: 0, lambda: 0)
+    stats.watch(lambda: 0, lambda: 0, lambda: None)
     found = scrape(stats)
     assert all(name.startswith("stowaway_") for name in sample_names(stats.metrics.exposition()[0].decode()))
     labels = {pair.split("=", 1)[0] for series in found if "{" in series

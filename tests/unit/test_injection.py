@@ -22,6 +22,7 @@ def policy_spec(**overrides: Any) -> dict[str, Any]:
                     "gracePeriodSeconds": 120},
         "persistence": {"concurrency": 4, "directIO": True, "checksum": "xxh3-64"},
         "commitTimeoutSeconds": 600,
+        "alerting": {"staleAfterSeconds": 7200},
     }
     for key, value in overrides.items():
         spec[key] = {**spec[key], **value} if isinstance(value, dict) else value
@@ -69,13 +70,14 @@ def test_native_sidecar_is_the_first_init_container_with_restart_always_and_a_so
 
 def test_sidecar_command_carries_every_policy_setting() -> None:
     spec = policy_spec(retention={"keepLast": 5, "keepEvery": 100}, commitTimeoutSeconds=30,
-                       persistence={"concurrency": 8}, sidecar={"metricsPort": 9999})
+                       persistence={"concurrency": 8}, sidecar={"metricsPort": 9999},
+                       alerting={"staleAfterSeconds": 21600})
     command = injected(spec=spec)["spec"]["initContainers"][0]["command"]
     assert command == [
         "stowaway", "sidecar", "--storage", "/var/lib/stowaway/storage",
         "--socket", "/var/run/stowaway/sidecar/sidecar.sock",
         "--shm-dir", "/dev/shm/stowaway", "--keep-last", "5", "--keep-every", "100", "--commit-timeout", "30",
-        "--persist-workers", "8", "--metrics-port", "9999", "--grace-period", "120",
+        "--stale-after", "21600", "--persist-workers", "8", "--metrics-port", "9999", "--grace-period", "120",
     ]
 
 

@@ -45,6 +45,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="serve /metrics (Prometheus), /healthz and /readyz over HTTP on this port (0: off)")
     parser.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDRESS",
                         help="address the metrics port listens on (default: all interfaces, for a pod's scraper)")
+    parser.add_argument("--stale-after", type=float, default=7200.0, metavar="SECONDS",
+                        help="how long the job may go without a new committed checkpoint before the shipped alerts "
+                        "fire; exported as stowaway_stale_after_seconds (default: 2 hours)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.set_defaults(handler=run)
 
@@ -59,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             persist_workers=args.persist_workers, write_rate_limit=args.write_rate_limit,
             grace_period=args.grace_period, direct_io=args.direct_io,
             commit_poll_interval=args.commit_poll_interval,
-            metrics_port=args.metrics_port, metrics_address=args.metrics_address,
+            metrics_port=args.metrics_port, metrics_address=args.metrics_address, stale_after=args.stale_after,
             allowed_uids=frozenset({os.getuid(), 0, *args.allow_uid}), **extra,
         )
     except ValueError as exc:

@@ -344,6 +344,7 @@ def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image
         "--keep-last", str(retention["keepLast"]),
         "--keep-every", str(retention["keepEvery"]),
         "--commit-timeout", str(spec["commitTimeoutSeconds"]),
+        "--stale-after", str(spec["alerting"]["staleAfterSeconds"]),
         "--persist-workers", str(spec["persistence"]["concurrency"]),
         "--metrics-port", str(sidecar_spec["metricsPort"]),
         "--grace-period", str(sidecar_spec["gracePeriodSeconds"]),

@@ -25,6 +25,8 @@ class SidecarConfig:
     metrics_port: int = 0
     metrics_address: str = "0.0.0.0"
     direct_io: bool = True
+    # Exported for the alerts, which cannot know each job's save interval: how old a commit may grow.
+    stale_after: float = 7200.0
 
     def __post_init__(self) -> None:
         if len(os.fsencode(self.socket_path)) >= 108:
@@ -40,5 +42,8 @@ class SidecarConfig:
             raise ValueError(f"--persist-workers must be at least 1, got {self.persist_workers}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be 0 (off) or a TCP port up to 65535, got {self.metrics_port}")
+        if self.stale_after <= 0:
+            raise ValueError(f"--stale-after must be a positive number of seconds, above the job's save interval, "
+                             f"got {self.stale_after}")
         if self.commit_timeout <= 0 or self.grace_period < 0:
             raise ValueError("--commit-timeout must be positive and --grace-period not negative")

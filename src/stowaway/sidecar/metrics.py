@@ -86,6 +86,11 @@ class SidecarMetrics:
             "stowaway_last_commit_timestamp_seconds",
             "Unix time of the last commit this sidecar saw; 0 before the first.", registry=r,
         )
+        self.stale_after = Gauge(
+            "stowaway_stale_after_seconds",
+            "How long the job may go without a new committed checkpoint before the alerts fire (--stale-after).",
+            registry=r,
+        )
 
     def failed(self, reason: str) -> None:
         if reason not in FAILURE_REASONS:
@@ -93,9 +98,10 @@ class SidecarMetrics:
             reason = "internal"
         self.failures.labels(reason).inc()
 
-    def watch(self, ranks_connected: Callable[[], int], slots_in_flight: Callable[[], int]) -> None:
-        """Export two gauges read at scrape time from whoever knows them (the rank registry)."""
-        self.registry.register(_LiveGauges(ranks_connected, slots_in_flight))
+    def watch(self, ranks_connected: Callable[[], int], slots_in_flight: Callable[[], int],
+              connected_since: Callable[[], float | None]) -> None:
+        """Export gauges read at scrape time from whoever knows them (the rank registry)."""
+        self.registry.register(_LiveGauges(ranks_connected, slots_in_flight, connected_since))
 
     def exposition(self) -> tuple[bytes, str]:
         """The text a scrape gets, and its content type."""
@@ -105,9 +111,11 @@ class SidecarMetrics:
 class _LiveGauges(Collector):
     """Reads the values when scraped, so they cannot drift from the registry they describe."""
 
-    def __init__(self, ranks_connected: Callable[[], int], slots_in_flight: Callable[[], int]) -> None:
+    def __init__(self, ranks_connected: Callable[[], int], slots_in_flight: Callable[[], int],
+                 connected_since: Callable[[], float | None]) -> None:
         self._ranks_connected = ranks_connected
         self._slots_in_flight = slots_in_flight
+        self._connected_since = connected_since
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily(
@@ -117,4 +125,9 @@ class _LiveGauges(Collector):
         yield GaugeMetricFamily(
             "stowaway_slots_in_flight", "Slots the sidecar owns right now (being persisted or staged).",
             value=self._slots_in_flight(),
+        )
+        yield GaugeMetricFamily(
+            "stowaway_ranks_connected_since_timestamp_seconds",
+            "Unix time since which ranks have been connected without a break; 0 while none is.",
+            value=self._connected_since() or 0,
         )

@@ -8,6 +8,7 @@ rank's current connection, so an answer cannot reach another rank.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,9 @@ class RankState:
 class Registry:
     def __init__(self) -> None:
         self._ranks: dict[tuple[str, int], RankState] = {}
+        # Unix time since which some rank has been connected without a break: before a job's first commit,
+        # how long it has trained without one.
+        self._connected_since: float | None = None
 
     def attach(self, session: Session, hello: dict[str, Any]) -> tuple[RankState, Session | None]:
         """Make ``session`` the rank's connection; return the connection it replaces, if any."""
@@ -66,17 +70,24 @@ class Registry:
             self._ranks[key] = state
         state.local_world_size = hello["local_world_size"]
         previous, state.session = state.session, session
+        if self._connected_since is None:
+            self._connected_since = time.time()
         return state, previous
 
     def detach(self, state: RankState, session: Session) -> None:
         if state.session is session:
             state.session = None
+            if not self.connected():
+                self._connected_since = None
 
     def job_ranks(self, job: str) -> list[RankState]:
         return [state for (name, _), state in self._ranks.items() if name == job]
 
     def connected(self) -> int:
         return sum(1 for state in self._ranks.values() if state.session is not None)
+
+    def connected_since(self) -> float | None:
+        return self._connected_since
 
     def in_flight(self) -> int:
         return sum(len(state.busy) for state in self._ranks.values())

@@ -39,7 +39,8 @@ class Sidecar:
         self.config = config
         self.stats = stats or Stats()
         self.registry = Registry()
-        self.stats.watch(self.registry.connected, self.registry.in_flight)
+        self.stats.watch(self.registry.connected, self.registry.in_flight, self.registry.connected_since)
+        self.stats.stale_after(config.stale_after)
         self.committer = Committer(config, self.registry, self.stats)
         self.pipeline: SavePipeline
         self._stop = asyncio.Event()

@@ -26,9 +26,14 @@ class Stats:
         self._last_committed_step = -1
         self._failures: Counter[str] = Counter()
 
-    def watch(self, ranks_connected: Callable[[], int], slots_in_flight: Callable[[], int]) -> None:
-        """Report these two gauges by asking the callables at scrape time."""
-        self.metrics.watch(ranks_connected, slots_in_flight)
+    def watch(self, ranks_connected: Callable[[], int], slots_in_flight: Callable[[], int],
+              connected_since: Callable[[], float | None]) -> None:
+        """Report these gauges by asking the callables at scrape time."""
+        self.metrics.watch(ranks_connected, slots_in_flight, connected_since)
+
+    def stale_after(self, seconds: float) -> None:
+        """The job's limit on a commit's age, for the alerts: only the job's owner knows its save interval."""
+        self.metrics.stale_after.set(seconds)
 
     def save_reported(self, blocking: float, slot_wait: float) -> None:
         """A rank's own measurement of one save; untrusted input, so nonsense is dropped."""
