@@ -78,6 +78,10 @@ def machine(device: str) -> str:
             f"Python {platform.python_version()}")
     if device == "cuda":
         text += f", {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    reported = system.reported_to_host_bytes()
+    if reported:
+        text += (f", hands freed memory back to its host (free page reporting, {reported / 2**40:.1f} TiB since boot): "
+                 "fresh pages cost more to touch")
     return text
 
 

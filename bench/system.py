@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+# A counter some VM kernels keep next to virtio-balloon's free page reporting.
+_REPORTED_KIB = Path("/sys/module/page_reporting/parameters/reported_kib")
 
 
 def release_free_heap() -> None:
@@ -28,6 +30,22 @@ def file_cache_bytes() -> int:
         name, value = line.split(":", 1)
         fields[name] = int(value.split()[0]) * 1024
     return fields["Active(file)"] + fields["Inactive(file)"]
+
+
+def reported_to_host_bytes() -> int:
+    """Memory the guest kernel has handed back to its hypervisor so far (free page reporting); 0 if none or unknown.
+
+    Where freed pages go back to the host, the next touch of each makes the
+    host back it again (``python -m bench.first_touch`` measures the cost).
+    Every allocation on a fresh heap (a first save, a restore into new
+    tensors, the copy-out reference) pays it for whatever the kernel hands
+    out, so runs on such a machine spread more; the report says so in its
+    machine line.
+    """
+    try:
+        return int(_REPORTED_KIB.read_text()) * 1024
+    except (OSError, ValueError):
+        return 0
 
 
 def status_bytes(pid: int | str, field: str) -> int:

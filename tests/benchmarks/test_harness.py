@@ -75,3 +75,14 @@ def test_a_small_gpu_run_measures_the_pinned_copy_too(tmp_path):
     assert finished.returncode == 0, finished.stderr[-4000:]
     assert_everything_measured(tmp_path, [1, 2], measured_keys({key for key, _ in report.ROWS}))
     assert "save blocking / pinned copy reference" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_the_first_touch_probe_times_each_round_and_says_whether_memory_goes_back_to_the_host() -> None:
+    finished = subprocess.run([sys.executable, "-m", "bench.first_touch", "--mib", "8", "--rounds", "2"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0, finished.stderr
+    lines = finished.stdout.splitlines()
+    assert lines[0].startswith(("freed memory handed back to the host since boot: ",
+                                "this kernel reports no memory handed back to a host"))
+    assert [line.split(":")[0] for line in lines[1:]] == ["round 0", "round 1"]
+    assert all(line.endswith(" ms per MiB") and " 8 MiB in " in line for line in lines[1:])
