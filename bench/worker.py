@@ -46,9 +46,7 @@ class Run:
             torch.cuda.synchronize()
 
     def slowest(self, seconds: float) -> float:
-        value = torch.tensor([seconds], dtype=torch.float64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return float(value.item())
+        return _across_ranks(seconds, dist.ReduceOp.MAX)
 
     def record(self, name: str, seconds: float) -> None:
         self.results.setdefault(name, []).append(self.slowest(seconds))
@@ -60,9 +58,7 @@ class Run:
         the measurement could take on it; the report sets each against it.
         """
         self.record(f"{name}.cpu", seconds)
-        total = torch.tensor([seconds], dtype=torch.float64)
-        dist.all_reduce(total)
-        self.results.setdefault(f"{name}.cpu_all", []).append(float(total.item()))
+        self.results.setdefault(f"{name}.cpu_all", []).append(_across_ranks(seconds, dist.ReduceOp.SUM))
 
     def start(self, fresh_heap: bool = False) -> float:
         """Line every rank up for a measurement with no collection due, and return its start time.
@@ -94,6 +90,13 @@ class Run:
         if cpu:
             self.record_cpu(name, cpu_time)
         return result
+
+
+def _across_ranks(value: float, op: dist.ReduceOp) -> float:
+    """``value`` reduced with ``op`` over every rank, each getting the result."""
+    reduced = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(reduced, op=op)
+    return float(reduced.item())
 
 
 def measure_stowaway_and_references(run: Run, training: dict[str, Any], extra: dict[str, Any]) -> None:
@@ -256,9 +259,7 @@ def measure_dcp(run: Run, training: dict[str, Any]) -> None:
     its own shard here, so it goes under a name of its own, as a sharded
     state's shards are written: all of them are, which each save checks.
     """
-    total = torch.tensor([state.nbytes_of(training)], dtype=torch.float64)
-    dist.all_reduce(total)
-    nbytes = int(total.item())
+    nbytes = int(_across_ranks(state.nbytes_of(training), dist.ReduceOp.SUM))
     training = {f"rank{run.rank}": training}
     for rep in range(run.reps):
         directory = run.scratch / f"dcp-{rep}"
