@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -272,5 +273,42 @@ def test_settled_waits_for_a_single_node_step_every_rank_handed_over(tmp_path: P
         assert (node.step_path("job", 4) / layout.MANIFEST).exists(), "settled before the commit"
         assert await _answers(*ranks) == [Answer("committed", 4, None)] * 2
         await node.committer.settled("job")  # nothing pending: at once
+
+    asyncio.run(scenario())
+
+
+def test_a_step_that_times_out_while_its_receipt_is_written_is_never_committed_after_failing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank gets exactly one answer: a receipt written after the timeout must not start a commit."""
+    receipt_may_finish = threading.Event()
+    receipt_started = threading.Event()
+    write_receipt = manifest.write_receipt
+
+    def slow_write_receipt(step_path: Path, receipt: manifest.Receipt) -> None:
+        receipt_started.set()
+        receipt_may_finish.wait(commit_harness.REAL_TIMEOUT)
+        write_receipt(step_path, receipt)
+
+    monkeypatch.setattr(manifest, "write_receipt", slow_write_receipt)
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        node = Node(tmp_path, "a", clock, commit_timeout=30)
+        rank = node.connect("job", 0, 1, 1)
+        assert node.hand_over("job", "run-1", 1, 0, 1, 1) is None
+        durable = asyncio.ensure_future(node.persist("job", 1, 0, 1))
+        await asyncio.to_thread(receipt_started.wait, commit_harness.REAL_TIMEOUT)
+
+        clock.advance(30)
+        answer = await rank.answer()
+        assert answer.kind == "failed" and answer.reason is not None and "timed out" in answer.reason
+        receipt_may_finish.set()
+        await durable
+        await commit_harness.background_work_done()
+
+        assert rank.unanswered(), "a rank told its step failed must not then hear that it committed"
+        assert not (node.step_path("job", 1) / layout.MANIFEST).exists()
+        assert node.committer.pending_tasks() == []
 
     asyncio.run(scenario())

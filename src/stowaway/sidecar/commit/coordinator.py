@@ -100,6 +100,10 @@ class Committer:
         except OSError as exc:
             self.fail(job, step, "storage_io", f"cannot write the receipt of node {self._config.node}: {exc}")
             return
+        if pending.resolved.is_set():
+            # Failed while the receipt was written (the commit timeout, another node's notice): its ranks
+            # have had their one answer, and a commit now would send them a second.
+            return
         pending.task = asyncio.create_task(self._await_commit(pending), name=f"commit {job}/{step}")
 
     def _expire_local_wait(self, pending: gathering.PendingStep) -> None:
