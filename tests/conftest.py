@@ -1,38 +1,32 @@
-"""Shared pytest configuration: the Kubernetes control plane for ``k8s`` tests.
+"""Shared pytest configuration: the options and the tools that only some tests need, set up only for them.
 
-Tests marked ``k8s`` get a real cluster through the fixtures below:
-
-* by default the suite starts its own control plane (etcd, kube-apiserver,
-  kube-controller-manager; plus kube-scheduler and kwok fake nodes for tests
-  that use ``k8s_nodes``) from binaries built by ``hack/control-plane/build``;
-* with ``--kubeconfig PATH`` or ``KUBECONFIG`` set, the same tests run against
-  that existing cluster and nothing is started.
-
-Missing binaries are built before the first test (outside any per-test
-timeout) or the tests fail with instructions; they are never skipped silently.
-See docs/testing-kubernetes.md.
+Nothing here imports the Kubernetes harness: the fixtures of ``k8s`` tests
+live in ``tests/k8s/conftest.py``, which pytest loads only when it collects
+that folder, and which builds the control plane's binaries before the first
+``k8s`` test it selects (see docs/testing-kubernetes.md). Prometheus's
+binaries are located (and installed when missing) by ``hack/prometheus``,
+before the first test marked ``prometheus``. A run that selects neither says
+so after collection, so a tool left out is never mistaken for a tool tested.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import os
-import re
-from collections.abc import Iterator
+import subprocess
+from pathlib import Path
 
 import pytest
-from k8s.cluster import Cluster, external_cluster, loopback_bypasses_proxy, managed_cluster
-from k8s.control_plane import ControlPlane, FakeNodes
-from k8s.tools import Tools, ToolsMissing, ensure_built, locate
-from k8s.wait import eventually
-from kubernetes import client
 
-_TOOLS = pytest.StashKey[Tools | ToolsMissing]()
-KEEP_ENV = "STOWAWAY_K8S_KEEP"  # =1 keeps the control plane's temp dir and logs
+HACK = Path(__file__).resolve().parents[1] / "hack"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """``--kubeconfig``: run ``k8s`` tests against an existing cluster."""
+    """``--kubeconfig``: run ``k8s`` tests against an existing cluster.
+
+    Declared here, not beside the ``k8s`` fixtures, because pytest reads
+    options before it collects (and so before it loads) ``tests/k8s/conftest.py``.
+    """
     parser.addoption(
         "--kubeconfig",
         metavar="PATH",
@@ -44,148 +38,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Refuse tests that use the cluster fixtures without the ``k8s`` marker.
-
-    ``pytest -m k8s`` / ``-m "not k8s"`` must select exactly the tests that
-    need a cluster, so a forgotten marker is a usage error, not a surprise.
-    """
-    unmarked = [
-        item.nodeid
-        for item in items
-        if "_k8s_plane" in getattr(item, "fixturenames", ()) and item.get_closest_marker("k8s") is None
-    ]
-    if unmarked:
-        raise pytest.UsageError(
-            "tests using the Kubernetes fixtures must be marked @pytest.mark.k8s: " + ", ".join(unmarked)
-        )
-
-
-def _external_kubeconfig(config: pytest.Config) -> str | None:
-    return config.getoption("kubeconfig") or os.environ.get("KUBECONFIG") or None
-
-
-def pytest_report_header(config: pytest.Config) -> str:
-    """Say loudly which cluster ``k8s`` tests will talk to."""
-    external = _external_kubeconfig(config)
-    if external:
-        return f"k8s tests: EXISTING cluster from kubeconfig {external}"
-    return "k8s tests: local control plane built by hack/control-plane/build"
+def _selected(items: list[pytest.Item], marker: str) -> bool:
+    return any(item.get_closest_marker(marker) for item in items)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Build missing control-plane binaries once, before the first test runs.
+    """Put ``prometheus`` and ``promtool`` on PATH before the first test that needs them.
 
-    Done here rather than in a fixture because a cold build takes minutes and
-    fixtures run under the per-test timeout. Failures are stored and reported
-    by the ``k8s_cluster`` fixture, so only ``k8s`` tests fail.
+    ``hack/prometheus`` installs Debian's package when they are missing,
+    which can take longer than a test's timeout, hence here rather than in
+    a fixture. When it fails, its message is on the terminal and the tests
+    fail where they look for the binaries (``metrics/promtools.py``).
     """
-    config = session.config
-    if config.option.collectonly or _external_kubeconfig(config):
+    if session.config.option.collectonly or not _selected(session.items, "prometheus"):
         return
-    if not any(item.get_closest_marker("k8s") for item in session.items):
-        return
-    capture = config.pluginmanager.getplugin("capturemanager")
-    try:
-        if capture is not None:
-            with capture.global_and_fixture_disabled():
-                config.stash[_TOOLS] = ensure_built()
-        else:
-            config.stash[_TOOLS] = ensure_built()
-    except ToolsMissing as exc:
-        config.stash[_TOOLS] = exc
+    capture = session.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        found = subprocess.run([str(HACK / "prometheus")], stdout=subprocess.PIPE, text=True, check=False)
+    if found.returncode == 0 and found.stdout.strip():
+        os.environ["PATH"] = f"{found.stdout.strip()}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def _tools(config: pytest.Config) -> Tools:
-    found = config.stash.get(_TOOLS, None)
-    if found is None:  # e.g. fixture used by a test without the k8s marker
-        try:
-            found = ensure_built()
-        except ToolsMissing as exc:
-            found = exc
-        config.stash[_TOOLS] = found
-    if isinstance(found, ToolsMissing):
-        pytest.fail(str(found), pytrace=False)
-    return found
-
-
-@pytest.fixture(scope="session")
-def _k8s_plane(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Cluster, ControlPlane | None]]:
-    external = _external_kubeconfig(request.config)
-    with loopback_bypasses_proxy():
-        if external:
-            try:
-                tools: Tools | None = locate()
-            except ToolsMissing:
-                tools = None
-            scratch = tmp_path_factory.mktemp("k8s-cli")
-            yield external_cluster(external, tools, scratch), None
-            return
-        keep = os.environ.get(KEEP_ENV) == "1"
-        with managed_cluster(_tools(request.config), keep_workdir=keep) as (cluster, plane):
-            yield cluster, plane
-
-
-@pytest.fixture(scope="session")
-def k8s_cluster(_k8s_plane: tuple[Cluster, ControlPlane | None]) -> Cluster:
-    """The cluster under test: kubeconfig, server URL, kubectl/helm paths, API client."""
-    return _k8s_plane[0]
-
-
-@pytest.fixture(scope="session")
-def k8s_api(k8s_cluster: Cluster) -> Iterator[client.ApiClient]:
-    """A ready ``kubernetes.client.ApiClient`` for the cluster under test."""
-    api = k8s_cluster.api_client()
-    try:
-        yield api
-    finally:
-        api.close()
-
-
-@pytest.fixture(scope="session")
-def k8s_nodes(_k8s_plane: tuple[Cluster, ControlPlane | None], k8s_api: client.ApiClient) -> Iterator[list[str]]:
-    """Names of schedulable Ready nodes.
-
-    For the local control plane this starts kube-scheduler and kwok, which
-    fakes nodes whose pods report Running without a container runtime. For an
-    existing cluster it lists the nodes it already has.
-    """
-    cluster, plane = _k8s_plane
-    if plane is None:
-        nodes = client.CoreV1Api(k8s_api).list_node().items
-        ready = [
-            n.metadata.name
-            for n in nodes
-            if not n.spec.unschedulable
-            and any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
-        ]
-        if not ready:
-            pytest.fail(f"cluster {cluster.server} has no Ready schedulable nodes", pytrace=False)
-        yield ready
-        return
-    fake = FakeNodes(plane).start()
-    try:
-        yield list(fake.names)
-    finally:
-        fake.stop()
-
-
-@pytest.fixture
-def k8s_namespace(request: pytest.FixtureRequest, k8s_api: client.ApiClient) -> Iterator[str]:
-    """A fresh namespace named after the test, deleted afterwards (not awaited)."""
-    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
-    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:6]
-    name = f"t-{slug}-{digest}"
-    core = client.CoreV1Api(k8s_api)
-    core.create_namespace({"metadata": {"name": name, "labels": {"stowaway.test": "true"}}})
-    try:
-        # Pods are rejected until the ServiceAccount controller made "default".
-        eventually(
-            lambda: core.read_namespaced_service_account("default", name),
-            what=f"ServiceAccount default in namespace {name}",
-        )
-        yield name
-    finally:
-        core.delete_namespace(name)
+def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
+    """Say which tools this run leaves out, and why."""
+    lines = []
+    if not _selected(items, "k8s"):
+        lines.append("k8s tests: none selected, so no control plane is built or started")
+    if not _selected(items, "prometheus"):
+        lines.append("prometheus tests: none selected, so prometheus and promtool are not looked for")
+    return lines

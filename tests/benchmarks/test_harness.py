@@ -53,14 +53,14 @@ def assert_everything_measured(tmp_path: Path, ranks: list[int], expected_keys: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_small_run_measures_everything_for_each_rank_count(tmp_path):
+def test_the_benchmark_harness_measures_everything_for_each_rank_count_in_a_small_run(tmp_path):
     finished = run_bench(tmp_path, "--ranks", "1,2")
     assert finished.returncode == 0, finished.stderr[-4000:]
     assert_everything_measured(tmp_path, [1, 2], measured_keys({key for key, _ in report.ROWS} - GPU_ONLY))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the GPU run itself is tested instead")
-def test_a_gpu_run_without_cuda_is_refused_before_anything_starts(tmp_path):
+def test_the_benchmark_harness_refuses_a_gpu_run_without_cuda_before_anything_starts(tmp_path):
     finished = run_bench(tmp_path, "--ranks", "1", "--device", "cuda")
     assert finished.returncode == 2
     assert "--device cuda needs a CUDA device" in finished.stderr and "leave --device out" in finished.stderr
@@ -70,14 +70,14 @@ def test_a_gpu_run_without_cuda_is_refused_before_anything_starts(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="no CUDA device here: the GPU run of the harness is checked on a machine with one")
 @pytest.mark.timeout(600)
-def test_a_small_gpu_run_measures_the_pinned_copy_too(tmp_path):
+def test_the_benchmark_harness_measures_the_pinned_copy_too_in_a_small_gpu_run(tmp_path):
     finished = run_bench(tmp_path, "--ranks", "1,2", "--device", "cuda")
     assert finished.returncode == 0, finished.stderr[-4000:]
     assert_everything_measured(tmp_path, [1, 2], measured_keys({key for key, _ in report.ROWS}))
     assert "save blocking / pinned copy reference" in (tmp_path / "out" / "results.md").read_text()
 
 
-def test_the_first_touch_probe_times_each_round_and_says_whether_memory_goes_back_to_the_host() -> None:
+def test_the_benchmark_harness_first_touch_probe_times_each_round_and_says_whether_memory_goes_back() -> None:
     finished = subprocess.run([sys.executable, "-m", "bench.first_touch", "--mib", "8", "--rounds", "2"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert finished.returncode == 0, finished.stderr

@@ -58,6 +58,7 @@ def test_admissions_through_the_api_server_move_the_counters_by_result(
     }
 
 
+@pytest.mark.prometheus
 def test_the_scrape_is_clean_for_promtool_and_has_every_series_from_the_start(
     ready_policy: str, stowaway_operator: RunningOperator
 ) -> None:
@@ -68,6 +69,7 @@ def test_the_scrape_is_clean_for_promtool_and_has_every_series_from_the_start(
     assert set(counts(exposition)) == {*RESULTS, "timed", "reconcile_errors"}
 
 
+@pytest.mark.prometheus
 def test_every_operator_panel_of_the_dashboard_shows_data_once_prometheus_scraped_the_operator(
     k8s_api: client.ApiClient, ready_policy: str, stowaway_operator: RunningOperator
 ) -> None:

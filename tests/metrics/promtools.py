@@ -1,7 +1,8 @@
 """Prometheus's own tools for the metrics tests: promtool, a real server, and HTTP helpers.
 
-The binaries come from ``hack/prometheus``; without them the tests fail and say
-so, because a metrics test that silently skips proves nothing.
+The binaries come from ``hack/prometheus``, which ``tests/conftest.py`` runs
+before the first test marked ``prometheus``; without them the tests fail and
+say so, because a metrics test that silently skips proves nothing.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ def binary(name: str) -> str:
     directory = os.environ.get("STOWAWAY_PROMETHEUS_DIR")
     found = str(Path(directory) / name) if directory else shutil.which(name)
     if not found or not os.access(found, os.X_OK):
-        pytest.fail(f"{name} not found: run hack/prometheus to install it (it prints the directory to put on "
-                    "PATH, or set STOWAWAY_PROMETHEUS_DIR)", pytrace=False)
+        pytest.fail(f"{name} not found: mark the test @pytest.mark.prometheus, so that the suite runs "
+                    "hack/prometheus (which installs it) before the first test, or run hack/prometheus yourself "
+                    "and put the directory it prints on PATH (or set STOWAWAY_PROMETHEUS_DIR)", pytrace=False)
     return found
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from metrics import dashboard
@@ -18,12 +19,14 @@ def alerts() -> list[dict]:
     return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
 
 
+@pytest.mark.prometheus
 def test_the_rule_file_is_valid_for_promtool() -> None:
     check = subprocess.run([binary("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True,
                            timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+@pytest.mark.prometheus
 def test_each_alert_fires_on_a_job_in_trouble_and_stays_quiet_on_a_healthy_one() -> None:
     result = subprocess.run([binary("promtool"), "test", "rules", UNIT_TESTS.name], cwd=UNIT_TESTS.parent,
                             capture_output=True, text=True, timeout=120)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from metrics import dashboard
 from metrics.promtools import binary, http_get, sample_names
 from stowaway.operator import metrics as operator_metrics
@@ -49,6 +51,7 @@ def test_every_query_names_only_series_a_real_sidecar_or_the_operator_exposes(me
         )
 
 
+@pytest.mark.prometheus
 def test_every_query_is_valid_promql_for_promtool(tmp_path) -> None:
     board = dashboard.load()
     rules = {"groups": [{"name": "dashboard", "rules": [

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from data_path.mounts import tmpfs
 from data_path.processes import wait_for
 
@@ -34,6 +35,7 @@ def test_wrong_paths_methods_and_garbage_get_http_errors_and_the_sidecar_keeps_s
     assert http_get(f"{metrics_sidecar.url}/healthz").status == 200
 
 
+@pytest.mark.prometheus
 def test_a_real_scrape_after_saves_passes_promtool_check_metrics(metrics_sidecar, start_rank) -> None:
     rank = start_rank(metrics_sidecar.process)
     for step in range(3):

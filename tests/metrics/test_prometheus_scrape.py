@@ -24,6 +24,8 @@ from metrics import dashboard
 from metrics.promtools import PrometheusServer, free_port
 from stowaway.sidecar.metrics import BUCKETS
 
+pytestmark = pytest.mark.prometheus
+
 RANKS = 3
 STEPS = 30
 POLL = 0.2

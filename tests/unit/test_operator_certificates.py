@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import socket
 import ssl
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -31,22 +31,35 @@ def test_each_call_makes_a_new_ca() -> None:
     assert certificates.self_signed(["a"]).ca_pem != certificates.self_signed(["a"]).ca_pem
 
 
-def serve_once(made: certificates.ServingCertificate, folder: Path) -> tuple[int, threading.Thread]:
-    """A TLS server with the certificate that accepts one handshake, as the API server's call to the webhook."""
+def serve_once(made: certificates.ServingCertificate, folder: Path) -> tuple[int, Future[OSError | None]]:
+    """A TLS server with the certificate that accepts one handshake, as the API server's call to the webhook.
+
+    Returns its port and the server's side of the handshake: None once it completed, the error when the
+    client aborted it. Anything else going wrong in the server's thread is raised by the future, not lost.
+    """
     (folder / "tls.crt").write_bytes(made.cert_pem)
     (folder / "tls.key").write_bytes(made.key_pem)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(folder / "tls.crt", folder / "tls.key")
     listener = socket.create_server(("127.0.0.1", 0))
+    server_side: Future[OSError | None] = Future()
 
     def accept() -> None:
-        # A client that refuses the certificate aborts the handshake; the client side asserts that.
-        with listener, contextlib.suppress(ssl.SSLError), context.wrap_socket(listener.accept()[0], server_side=True):
-            pass
+        try:
+            with listener, listener.accept()[0] as connection:
+                connection.settimeout(5)
+                try:
+                    with context.wrap_socket(connection, server_side=True):
+                        pass
+                except (ssl.SSLError, ConnectionError) as aborted:
+                    server_side.set_result(aborted)
+                else:
+                    server_side.set_result(None)
+        except BaseException as failure:
+            server_side.set_exception(failure)
 
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    return listener.getsockname()[1], thread
+    threading.Thread(target=accept, daemon=True).start()
+    return listener.getsockname()[1], server_side
 
 
 def handshake(port: int, ca_pem: bytes, host: str) -> None:
@@ -59,17 +72,17 @@ def handshake(port: int, ca_pem: bytes, host: str) -> None:
 
 def test_a_client_trusting_the_ca_bundle_completes_a_tls_handshake_for_a_listed_host(tmp_path: Path) -> None:
     made = certificates.self_signed(["127.0.0.1"])
-    port, server = serve_once(made, tmp_path)
+    port, server_side = serve_once(made, tmp_path)
     handshake(port, made.ca_pem, "127.0.0.1")
-    server.join(timeout=5)
+    assert server_side.result(timeout=5) is None, "the server's side of the handshake failed"
 
 
 def test_a_client_refuses_the_certificate_for_a_host_it_does_not_name(tmp_path: Path) -> None:
     made = certificates.self_signed(["stowaway.stowaway-system.svc"])
-    port, server = serve_once(made, tmp_path)
+    port, server_side = serve_once(made, tmp_path)
     with pytest.raises(ssl.SSLCertVerificationError, match=r"IP address mismatch|doesn't match"):
         handshake(port, made.ca_pem, "127.0.0.1")
-    server.join(timeout=5)
+    assert isinstance(server_side.result(timeout=5), OSError), "the server completed a handshake the client refused"
 
 
 HOSTS = certificates.service_hosts("stowaway-stowaway", "stowaway-system")

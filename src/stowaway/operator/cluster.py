@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
-from typing import Any
+from typing import Any, cast
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -33,9 +33,10 @@ def connect() -> client.ApiClient:
 def read_policy(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
     """The CheckpointPolicy object, or None if it does not exist."""
     try:
-        return client.CustomObjectsApi(api).get_namespaced_custom_object(
+        # The client types a custom object as `object`; it is the object's JSON.
+        return cast(dict[str, Any], client.CustomObjectsApi(api).get_namespaced_custom_object(
             policy.GROUP, policy.VERSION, namespace, policy.PLURAL, name
-        )
+        ))
     except ApiException as exc:
         if exc.status == 404:
             return None
@@ -57,7 +58,12 @@ def count_injected(api: client.ApiClient, namespace: str, name: str) -> int:
     pods = client.CoreV1Api(api).list_namespaced_pod(
         namespace, label_selector=f"{injection.INJECT_LABEL}={injection.INJECT_ENABLED}"
     ).items
-    return sum(1 for p in pods if (p.metadata.annotations or {}).get(injection.MARKER_ANNOTATION) == name)
+    return sum(1 for p in pods if _annotations(p).get(injection.MARKER_ANNOTATION) == name)
+
+
+def _annotations(pod: client.V1Pod) -> dict[str, str]:
+    assert pod.metadata is not None  # the client types it optional; the API server always sends it
+    return pod.metadata.annotations or {}
 
 
 def set_pods_injected(api: client.ApiClient, namespace: str, name: str, count: int) -> None:
@@ -133,6 +139,7 @@ def set_ca_bundle(api: client.ApiClient, configuration: str, ca_pem: bytes) -> N
             for index, webhook in enumerate(found.webhooks or []) if webhook.client_config.ca_bundle != bundle
         ]
         if ops:
+            assert found.metadata is not None  # the client types it optional; the API server always sends it
             test = {"op": "test", "path": "/metadata/resourceVersion", "value": found.metadata.resource_version}
             admission.patch_mutating_webhook_configuration(configuration, [test, *ops])
     except ApiException as exc:

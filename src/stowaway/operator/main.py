@@ -85,7 +85,7 @@ async def inject(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) 
 
 async def _inject(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> str:
     """Fill ``patch`` and say what was done, as one of :data:`metrics.RESULTS`."""
-    namespace = body.metadata.namespace
+    namespace = _namespace(body)
     if namespace in NEVER_INJECTED or namespace == memo.config.namespace:
         return "skipped"
     pod = dict(body)
@@ -150,7 +150,7 @@ async def injected_pod_came_or_went(event: kopf.RawEvent, body: kopf.Body, memo:
     """
     if event.get("type") not in ("ADDED", "DELETED"):
         return
-    namespace, name = body.metadata.namespace, body.metadata.annotations[injection.MARKER_ANNOTATION]
+    namespace, name = _namespace(body), body.metadata.annotations[injection.MARKER_ANNOTATION]
     lock = memo.count_locks.setdefault((namespace, name), asyncio.Lock())
     try:
         async with lock:
@@ -167,7 +167,7 @@ async def _refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -
     Event handlers, not timers or daemons: those make kopf put a finalizer on every
     policy, which would block deleting a namespace while the operator is down.
     """
-    namespace, name, spec = body.metadata.namespace, body.metadata.name, body.spec
+    namespace, name, spec = _namespace(body), body.metadata.name, body.spec
     claim = spec["storage"]["persistentVolumeClaim"]["claimName"]
     exists = await asyncio.to_thread(cluster.claim_exists, memo.api, namespace, claim)
     injected = await asyncio.to_thread(cluster.count_injected, memo.api, namespace, name)
@@ -177,3 +177,14 @@ async def _refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -
     wanted["podsInjected"] = injected
     if {k: current.get(k) for k in wanted} != wanted:
         patch.status.update(wanted)
+
+
+def _namespace(body: kopf.Body) -> str:
+    """The namespace of a pod or a policy.
+
+    kopf types it optional, for cluster-scoped kinds; both of these are
+    namespaced, and the API server sets it before any handler sees them.
+    """
+    namespace = body.metadata.namespace
+    assert namespace is not None, f"{body.get('kind')} {body.metadata.name} has no namespace"
+    return namespace

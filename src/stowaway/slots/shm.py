@@ -3,11 +3,11 @@
 Pages are reserved with ``posix_fallocate``, so that a full tmpfs fails the
 allocation with ENOSPC instead of killing the rank with SIGBUS in the middle
 of a copy. They are not faulted in at allocation: ``MAP_POPULATE`` after
-``posix_fallocate`` took 0.55 s per GiB on one thread, while the first copy
-faults the same pages in on every thread torch copies with, and the whole
-first save of 1 GiB went from 1.3-1.4 s to 0.8-0.9 s. A slot allocated ahead
-of its first use (``prefault``) has its pages faulted in by a background
-thread instead.
+``posix_fallocate`` faults them in on one thread, while the first copy
+faults the same pages in on every thread torch copies with, which made the
+whole first save faster (docs/benchmarks.md, "What changed four rounds
+before"). A slot allocated ahead of its first use (``prefault``) has its
+pages faulted in by a background thread instead.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ SLOT_FILE_MODE = 0o660
 _MADV_POPULATE_WRITE = 23
 # MADV_POPULATE_WRITE holds the process's mmap lock for the range it is given: any mmap, munmap or brk of the
 # rank's training thread (a large tensor allocated or freed) waits for it. One slot at once stalled a save
-# right after the first for seconds; in 8 MiB steps, such a wait lasts one step.
+# right after the first until the whole slot was resident; in 8 MiB steps, such a wait lasts one step.
 POPULATE_CHUNK_BYTES = 8 * 2**20
 _libc = ctypes.CDLL(None, use_errno=True)
 

@@ -1,4 +1,7 @@
-"""helm installs and uninstalls a chart against the cluster under test."""
+"""The harness: helm installs and uninstalls a minimal chart of the tests' own against the test cluster.
+
+Stowaway's chart is installed by tests/k8s/test_operator_manifests.py.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ def _release_objects(api: client.CoreV1Api, namespace: str, release: str) -> set
     return {f"configmap/{m.metadata.name}" for m in maps} | {f"service/{s.metadata.name}" for s in services}
 
 
-def test_helm_install_creates_the_release_objects_and_uninstall_removes_them(
+def test_the_harness_helm_installs_a_charts_objects_and_uninstall_removes_them(
     k8s_cluster: Cluster, k8s_api: client.ApiClient, k8s_namespace: str
 ) -> None:
     core = client.CoreV1Api(k8s_api)

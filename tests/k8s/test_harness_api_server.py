@@ -1,4 +1,8 @@
-"""The API server is a real, secured kube-apiserver of the pinned release."""
+"""The harness: the API server the suite starts is a real, secured kube-apiserver of the pinned release.
+
+These tests check the test cluster, not Stowaway: they say where to look first when the operator's
+cluster tests fail.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from .wait import eventually
 pytestmark = pytest.mark.k8s
 
 
-def test_version_endpoint_reports_the_pinned_release(k8s_cluster: Cluster, k8s_api: client.ApiClient) -> None:
+def test_the_harness_api_server_reports_the_pinned_release(k8s_cluster: Cluster, k8s_api: client.ApiClient) -> None:
     info = client.VersionApi(k8s_api).get_code()
     assert re.fullmatch(r"v\d+\.\d+\.\d+.*", info.git_version), info
     if k8s_cluster.managed:
@@ -25,7 +29,7 @@ def test_version_endpoint_reports_the_pinned_release(k8s_cluster: Cluster, k8s_a
         assert (info.major, info.minor) == (major, minor)
 
 
-def test_kubectl_client_reports_the_same_release(k8s_cluster: Cluster) -> None:
+def test_the_harness_kubectl_reports_the_same_release_as_the_api_server(k8s_cluster: Cluster) -> None:
     out = k8s_cluster.run("kubectl", "version", "--output=json").stdout
     versions = json.loads(out)
     assert versions["serverVersion"]["gitVersion"].startswith("v")
@@ -34,7 +38,9 @@ def test_kubectl_client_reports_the_same_release(k8s_cluster: Cluster) -> None:
         assert versions["serverVersion"]["gitVersion"] == k8s_cluster.pinned_version
 
 
-def test_rbac_denies_a_service_account_without_bindings(k8s_cluster: Cluster, k8s_namespace: str) -> None:
+def test_the_harness_api_server_denies_a_service_account_without_rbac_bindings(
+    k8s_cluster: Cluster, k8s_namespace: str
+) -> None:
     who = f"system:serviceaccount:{k8s_namespace}:default"
     denied = k8s_cluster.run(
         "kubectl",
@@ -52,7 +58,9 @@ def test_rbac_denies_a_service_account_without_bindings(k8s_cluster: Cluster, k8
     assert admin.stdout.strip() == "yes"
 
 
-def test_api_server_calls_validating_admission_webhooks(k8s_api: client.ApiClient, k8s_namespace: str) -> None:
+def test_the_harness_api_server_calls_validating_admission_webhooks(
+    k8s_api: client.ApiClient, k8s_namespace: str
+) -> None:
     # A webhook nobody serves, with failurePolicy Fail, scoped to our
     # namespace: if the API server really runs the ValidatingAdmissionWebhook
     # plugin, creates there fail with the server's "failed calling webhook".

@@ -1,4 +1,4 @@
-"""Pods are scheduled by the real scheduler and run on (fake) nodes."""
+"""The harness: pods of the test cluster are scheduled by the real scheduler and run on (fake) nodes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .wait import eventually
 pytestmark = pytest.mark.k8s
 
 
-def test_a_pod_is_scheduled_onto_a_node_and_reports_running(
+def test_the_harness_schedules_a_pod_onto_a_fake_node_that_reports_its_container_ready(
     k8s_api: client.ApiClient, k8s_nodes: list[str], k8s_namespace: str
 ) -> None:
     core = client.CoreV1Api(k8s_api)
@@ -34,4 +34,4 @@ def test_a_pod_is_scheduled_onto_a_node_and_reports_running(
     pod = eventually(running, what="pod sleeper to be Running", timeout=90)
     assert pod.spec.node_name in k8s_nodes
     assert pod.status.pod_ip
-    assert all(c.ready for c in pod.status.container_statuses or [])
+    assert [(c.name, c.ready) for c in pod.status.container_statuses or []] == [("pause", True)]

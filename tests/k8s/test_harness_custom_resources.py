@@ -1,4 +1,7 @@
-"""CustomResourceDefinitions are served and their schemas enforced by the server."""
+"""The harness: the test cluster serves CustomResourceDefinitions and enforces their schemas.
+
+A CRD of the tests' own, not Stowaway's (tests/k8s/test_operator_policy.py checks that one).
+"""
 
 from __future__ import annotations
 
@@ -86,7 +89,7 @@ def _widget(plural: str, replicas: object) -> dict[str, object]:
     }
 
 
-def test_server_accepts_a_custom_object_that_matches_the_schema(
+def test_the_harness_api_server_accepts_a_custom_object_that_matches_the_schema(
     k8s_api: client.ApiClient, k8s_namespace: str, widget_crd: str
 ) -> None:
     objects = client.CustomObjectsApi(k8s_api)
@@ -98,7 +101,7 @@ def test_server_accepts_a_custom_object_that_matches_the_schema(
     assert created["spec"]["replicas"] == 3
 
 
-def test_server_rejects_a_custom_object_that_violates_the_schema(
+def test_the_harness_api_server_rejects_a_custom_object_that_violates_the_schema(
     k8s_api: client.ApiClient, k8s_namespace: str, widget_crd: str
 ) -> None:
     objects = client.CustomObjectsApi(k8s_api)
