@@ -15,6 +15,8 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from stowaway import sidecar_settings
+
 INJECT_LABEL = "stowaway.dev/inject"
 INJECT_ENABLED = "enabled"
 POLICY_ANNOTATION = "stowaway.dev/policy"
@@ -184,7 +186,7 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
     }
     if init_containers:
         patch["spec"]["initContainers"] = init_containers
-    termination = spec["sidecar"]["gracePeriodSeconds"] + TERMINATION_MARGIN_SECONDS
+    termination = sidecar_settings.GRACE_PERIOD.policy_value(spec) + TERMINATION_MARGIN_SECONDS
     if (pod_spec.get("terminationGracePeriodSeconds") or DEFAULT_TERMINATION_SECONDS) < termination:
         # The kubelet stops the trainer first and the sidecar last, all within the pod's grace period.
         patch["spec"]["terminationGracePeriodSeconds"] = termination
@@ -333,36 +335,33 @@ def _trainer_uids(pod_spec: Mapping[str, Any]) -> list[int]:
     return sorted({ctx["runAsUser"] for ctx in contexts if ctx.get("runAsUser") is not None})
 
 
-def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
-    sidecar_spec = spec["sidecar"]
-    retention = spec["retention"]
+def _sidecar_command(pod_spec: Mapping[str, Any], spec: Mapping[str, Any]) -> list[str]:
+    """The sidecar's command line: the pod's paths, every setting the policy sets, the trainers' uids."""
     command = [
         "stowaway", "sidecar",
-        "--storage", STORAGE_PATH,
-        "--socket", SOCKET_PATH,
-        "--shm-dir", SLOT_DIR,
-        "--keep-last", str(retention["keepLast"]),
-        "--keep-every", str(retention["keepEvery"]),
-        "--commit-timeout", str(spec["commitTimeoutSeconds"]),
-        "--stale-after", str(spec["alerting"]["staleAfterSeconds"]),
-        "--persist-workers", str(spec["persistence"]["concurrency"]),
-        "--metrics-port", str(sidecar_spec["metricsPort"]),
-        "--grace-period", str(sidecar_spec["gracePeriodSeconds"]),
+        *sidecar_settings.STORAGE.command_line(STORAGE_PATH),
+        *sidecar_settings.SOCKET.command_line(SOCKET_PATH),
+        *sidecar_settings.SHM_DIR.command_line(SLOT_DIR),
     ]
-    if not spec["persistence"]["directIO"]:
-        # The sidecar uses O_DIRECT wherever the filesystem allows it unless told otherwise.
-        command.append("--no-direct-io")
+    for setting in sidecar_settings.FROM_POLICY:
+        command += setting.command_line(setting.policy_value(spec))
     for uid in _trainer_uids(pod_spec):
-        command += ["--allow-uid", str(uid)]
+        command += sidecar_settings.ALLOWED_UIDS.command_line(uid)
+    return command
+
+
+def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
+    sidecar_spec = spec["sidecar"]
+    metrics_port = sidecar_settings.METRICS_PORT.policy_value(spec)
     storage_mount = {"name": STORAGE_VOLUME, "mountPath": STORAGE_PATH}
     if spec["storage"]["persistentVolumeClaim"].get("subPath"):
         storage_mount["subPath"] = spec["storage"]["persistentVolumeClaim"]["subPath"]
     sidecar: dict[str, Any] = {
         "name": SIDECAR_NAME,
         "image": sidecar_spec.get("image") or default_image,
-        "command": command,
+        "command": _sidecar_command(pod_spec, spec),
         "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}}],
-        "ports": [{"name": METRICS_PORT_NAME, "containerPort": sidecar_spec["metricsPort"], "protocol": "TCP"}],
+        "ports": [{"name": METRICS_PORT_NAME, "containerPort": metrics_port, "protocol": "TCP"}],
         "resources": copy.deepcopy(sidecar_spec.get("resources") or {}),
         "volumeMounts": [
             {"name": SHM_VOLUME, "mountPath": SHM_PATH},

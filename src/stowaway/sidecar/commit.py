@@ -370,7 +370,7 @@ class Committer:
         def apply() -> None:
             with self._storage_lock:
                 retention.apply(self.job_path(pending.job), self._config.keep_last, self._config.keep_every,
-                                self._config.commit_timeout, busy)
+                                abandoned_after=self._config.commit_timeout, busy=busy)
 
         try:
             await asyncio.to_thread(apply)
