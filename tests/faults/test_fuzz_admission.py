@@ -115,6 +115,11 @@ def test_every_pod_is_injected_once_with_storage_only_in_the_sidecar_or_refused_
     assert result["metadata"]["annotations"][injection.MARKER_ANNOTATION] == "team-policy"
     assert injection.build_patch(result, "team-policy", spec, IMAGE) == {}, "reinvocation must change nothing"
     claim = spec["storage"]["persistentVolumeClaim"]["claimName"]
+    # What each container's trainer sees (the kubelet gives it the last definition): one job, the label's.
+    jobs = {[e for e in c["env"] if e["name"] == "STOWAWAY_JOB"][-1]["value"]
+            for c in every_container(result) if c is not sidecars[0]}
+    label = result["metadata"].get("labels", {}).get(injection.JOB_LABEL)
+    assert len(jobs) == 1 and (label is None or label in jobs), (jobs, label)  # None: a name no label can hold
     for container in every_container(result):
         reached = {claim_of(result, mount["name"]) for mount in container.get("volumeMounts") or []}
         if container is sidecars[0]:

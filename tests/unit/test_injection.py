@@ -6,8 +6,11 @@ import copy
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stowaway.operator import injection, policy
+from stowaway.protocol import messages
 
 IMAGE = "stowaway:test"
 
@@ -294,6 +297,104 @@ def test_the_job_name_becomes_a_pod_label_for_prometheus_unless_it_is_no_valid_l
     result = injected(long)
     assert "stowaway.dev/job" not in result["metadata"]["labels"]
     assert {"name": "STOWAWAY_JOB", "value": "x" * 70} in result["spec"]["containers"][0]["env"]
+
+
+def pod_setting_jobs(**jobs: str | dict[str, Any]) -> dict[str, Any]:
+    """A Job's pod (job label "train") with an init container ``fetch`` and the containers named, each setting
+    STOWAWAY_JOB to the value given (a dict: the whole env entry); ``trainer`` sets none unless named."""
+    pod = job_pod(initContainers=[{"name": "fetch", "image": "busybox"}])
+    pod["spec"]["containers"].append({"name": "logger", "image": "busybox"})
+    for container in [*pod["spec"]["initContainers"], *pod["spec"]["containers"]]:
+        if container["name"] in jobs:
+            entry = jobs[container["name"]]
+            container["env"] = [{"name": "LR", "value": "0.1"},
+                                entry if isinstance(entry, dict) else {"name": "STOWAWAY_JOB", "value": entry}]
+    return pod
+
+
+def job_env(container: dict[str, Any]) -> list[str]:
+    return [e["value"] for e in container["env"] if e["name"] == "STOWAWAY_JOB"]
+
+
+def test_the_job_a_container_sets_labels_the_pod_and_is_given_to_the_containers_that_set_none() -> None:
+    result = injected(pod_setting_jobs(trainer="mine"))
+    assert result["metadata"]["labels"]["stowaway.dev/job"] == "mine", "the PodMonitor must file it under 'mine'"
+    trainer, logger = result["spec"]["containers"]
+    assert trainer["env"][:2] == [{"name": "LR", "value": "0.1"}, {"name": "STOWAWAY_JOB", "value": "mine"}]
+    assert job_env(trainer) == job_env(logger) == job_env(result["spec"]["initContainers"][1]) == ["mine"]
+
+
+def test_containers_that_set_the_same_job_are_injected_with_it() -> None:
+    result = injected(pod_setting_jobs(trainer="mine", logger="mine"))
+    assert result["metadata"]["labels"]["stowaway.dev/job"] == "mine"
+    assert [job_env(c) for c in result["spec"]["containers"]] == [["mine"], ["mine"]]
+
+
+def test_of_several_definitions_in_one_container_the_last_names_the_job_as_the_kubelet_gives_it() -> None:
+    pod = pod_setting_jobs(trainer="old")
+    pod["spec"]["containers"][0]["env"].append({"name": "STOWAWAY_JOB", "value": "new"})
+    assert injected(pod)["metadata"]["labels"]["stowaway.dev/job"] == "new"
+
+
+def test_containers_that_set_different_jobs_are_refused_with_each_container_and_value_named() -> None:
+    pod = pod_setting_jobs(fetch="prep", trainer="mine", logger="mine")
+    with pytest.raises(injection.InjectionError) as refused:
+        injection.build_patch(pod, "default", policy_spec(), IMAGE)
+    assert str(refused.value) == (
+        "the containers of this pod set STOWAWAY_JOB to different values (container 'fetch' to 'prep'; containers "
+        "'trainer' and 'logger' to 'mine'), but the checkpoints of one pod belong to one job: set the same value in "
+        "each, or remove STOWAWAY_JOB and the webhook sets it to the job's name, 'train' (see docs/operator.md)"
+    )
+
+
+@pytest.mark.parametrize(("entry", "how"), [
+    ({"name": "STOWAWAY_JOB", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['team']"}}}, "with valueFrom"),
+    ({"name": "STOWAWAY_JOB", "value": "$(TEAM)-train"}, "to '$(TEAM)-train', a reference to a variable"),
+], ids=["valueFrom", "variable reference"])
+def test_a_job_only_the_kubelet_can_resolve_is_refused_asking_for_a_literal_name(entry: dict[str, Any],
+                                                                                 how: str) -> None:
+    with pytest.raises(injection.InjectionError) as refused:
+        injection.build_patch(pod_setting_jobs(trainer=entry), "default", policy_spec(), IMAGE)
+    assert str(refused.value) == (
+        f"container 'trainer' sets STOWAWAY_JOB {how}, which only the kubelet resolves, but the webhook must know "
+        "the job's name when the pod is created, to label the pod stowaway.dev/job with it for the metrics, the "
+        "dashboard and the alerts: give the name as a literal value, or remove STOWAWAY_JOB and the webhook sets it "
+        "to the job's name, 'train' (see docs/operator.md)"
+    )
+
+
+@pytest.mark.parametrize("job", ["x" * 64, "ends-with-", "_starts", "team/train", "névé"])
+def test_a_job_that_cannot_be_a_label_value_is_refused_with_the_rule(job: str) -> None:
+    with pytest.raises(injection.InjectionError) as refused:
+        injection.build_patch(pod_setting_jobs(trainer=job, logger=job), "default", policy_spec(), IMAGE)
+    assert str(refused.value) == (
+        f"containers 'trainer' and 'logger' set STOWAWAY_JOB={job!r}, but it cannot be the value of the pod's label "
+        "stowaway.dev/job, by which the PodMonitor, the dashboard and the alerts find the job's checkpoints: a label "
+        "value has at most 63 characters, letters, digits, '-', '_' and '.', and begins and ends with a letter or "
+        "digit; choose such a name, or remove STOWAWAY_JOB and the webhook sets it to the job's name, 'train' "
+        "(see docs/operator.md)"
+    )
+
+
+def test_an_empty_job_is_refused_as_naming_no_job() -> None:
+    with pytest.raises(injection.InjectionError, match=r"container 'trainer' sets STOWAWAY_JOB='', but an empty "
+                       r"name names no job; give the job a name, or remove STOWAWAY_JOB"):
+        injection.build_patch(pod_setting_jobs(trainer={"name": "STOWAWAY_JOB"}), "default", policy_spec(), IMAGE)
+
+
+def test_a_refusal_of_a_pod_without_a_job_of_its_own_says_how_to_get_one() -> None:
+    pod = pod_setting_jobs(trainer="a", logger="b")
+    pod["metadata"] = {"labels": pod["metadata"]["labels"] | {"batch.kubernetes.io/job-name": ""}}
+    with pytest.raises(injection.InjectionError, match="remove STOWAWAY_JOB and create the pod from a Job, whose "
+                       "name the webhook then sets"):
+        injection.build_patch(pod, "default", policy_spec(), IMAGE)
+
+
+@settings(max_examples=300)
+@given(st.from_regex(injection.LABEL_VALUE, fullmatch=True).filter(lambda v: 0 < len(v) <= injection.LABEL_VALUE_MAX))
+def test_every_label_value_the_webhook_accepts_for_a_job_is_a_job_name_the_protocol_accepts(job: str) -> None:
+    """Why the webhook checks only the label's rule: it is the narrower of the two."""
+    assert messages.JOB_NAME.match(job)
 
 
 def shm_pod(volume: dict[str, Any], *mounts: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
+from stowaway import sidecar_settings
 from stowaway.cli import catalog_cmds
 from stowaway.cli.errors import CommandError
 
@@ -35,7 +36,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--storage", type=Path, required=True, help="durable storage directory")
     parser.add_argument("--job", default="local", help="job name, the directory under --storage (default: local)")
-    parser.add_argument("--keep-last", type=int, default=3, metavar="K", help="committed checkpoints to keep")
+    sidecar_settings.KEEP_LAST.add_to(parser)  # passed on to the sidecar as it is
     parser.add_argument("--grace-period", type=float, default=300.0, metavar="SECONDS",
                         help="how long in-flight persists may take once COMMAND has exited")
     parser.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND...",
@@ -53,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     socket_path = workdir / "sidecar.sock"
     sidecar = subprocess.Popen(
         [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(args.storage), "--socket", str(socket_path),
-         "--shm-dir", str(shm_dir), "--keep-last", str(args.keep_last), "--grace-period", str(args.grace_period),
-         "--log-level", "WARNING"],
+         "--shm-dir", str(shm_dir), *sidecar_settings.KEEP_LAST.command_line(args.keep_last),
+         "--grace-period", str(args.grace_period), "--log-level", "WARNING"],
         start_new_session=True,
     )
     try:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
+
+from stowaway import sidecar_settings
 
 INJECT_LABEL = "stowaway.dev/inject"
 INJECT_ENABLED = "enabled"
@@ -21,10 +24,14 @@ POLICY_ANNOTATION = "stowaway.dev/policy"
 DEFAULT_POLICY = "default"
 # Present on every injected Pod, valued with the policy's name: the idempotency marker.
 MARKER_ANNOTATION = "stowaway.dev/injected"
+# The variable the client reads its job's name from; the job's storage directory is named after it.
+JOB_ENV = "STOWAWAY_JOB"
 # The job's name (as in STOWAWAY_JOB) as a pod label, so the chart's PodMonitor can make it Prometheus's `job`.
 JOB_LABEL = "stowaway.dev/job"
 LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 LABEL_VALUE_MAX = 63
+LABEL_VALUE_RULE = ("a label value has at most 63 characters, letters, digits, '-', '_' and '.', and begins and ends "
+                    "with a letter or digit")
 
 SIDECAR_NAME = "stowaway-sidecar"
 # Kubernetes' default terminationGracePeriodSeconds, and the time the trainer's own shutdown may take
@@ -130,20 +137,91 @@ def job_name(pod: Mapping[str, Any]) -> str:
     All pods of one job, and the replacements of a rescheduled pod, must agree on
     this name, which is why the pod's own (unique) name is the last resort.
     """
-    metadata = pod.get("metadata", {})
-    labels = metadata.get("labels") or {}
+    metadata: Mapping[str, Any] = pod.get("metadata", {})
+    labels: Mapping[str, str] = metadata.get("labels") or {}
     for label in JOB_LABELS:
         if labels.get(label):
             return labels[label]
-    generate = (metadata.get("generateName") or "").rstrip("-.")
+    generate: str = (metadata.get("generateName") or "").rstrip("-.")
     if generate:
         return generate
-    if metadata.get("name"):
-        return metadata["name"]
+    name: str = metadata.get("name") or ""
+    if name:
+        return name
     raise InjectionError(
         "cannot tell which job this pod belongs to: it has no Job/PyTorchJob/JobSet label, no generateName "
         "and no name; create it from a Job or set the label batch.kubernetes.io/job-name"
     )
+
+
+def _job_the_containers_set(pod: Mapping[str, Any]) -> str | None:
+    """The STOWAWAY_JOB the pod's containers set themselves, or None where none does.
+
+    The trainer names its checkpoints with that value, so the pod's label (the
+    `job` of the PodMonitor, the dashboard and the alerts) must be the same:
+    refused are containers that disagree and a value that cannot be a label.
+    A valid label value other than the empty one is also a valid job name of
+    the protocol (docs/protocol.md), so the label's rule is the one to check.
+    """
+    setters = _job_setters(pod)
+    if len(setters) > 1:
+        each = "; ".join(f"{_containers(names)} to {value!r}" for value, names in setters.items())
+        raise InjectionError(
+            f"the containers of this pod set {JOB_ENV} to different values ({each}), but the checkpoints of one pod "
+            f"belong to one job: set the same value in each, or {_without_job_env(pod)} (see docs/operator.md)"
+        )
+    if not setters:
+        return None
+    ((value, names),) = setters.items()
+    if not value or len(value) > LABEL_VALUE_MAX or not LABEL_VALUE.fullmatch(value):
+        why = "an empty name names no job; give the job a name" if not value else (
+            f"it cannot be the value of the pod's label {JOB_LABEL}, by which the PodMonitor, the dashboard and the "
+            f"alerts find the job's checkpoints: {LABEL_VALUE_RULE}; choose such a name")
+        raise InjectionError(
+            f"{_containers(names)} {'sets' if len(names) == 1 else 'set'} {JOB_ENV}={value!r}, but {why}, or "
+            f"{_without_job_env(pod)} (see docs/operator.md)"
+        )
+    return value
+
+
+def _job_setters(pod: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Each STOWAWAY_JOB value the containers set, with the names of the containers that set it.
+
+    Refuses a value the webhook cannot read when the pod is created: a
+    ``valueFrom`` or a ``$(VAR)`` reference, which only the kubelet resolves.
+    """
+    setters: dict[str, list[str]] = {}
+    for container in _all_containers(pod.get("spec", {})):
+        entries = [e for e in container.get("env") or [] if e.get("name") == JOB_ENV]
+        if not entries:
+            continue
+        entry = entries[-1]  # of several definitions, the kubelet gives the container the last
+        value = entry.get("value") or ""
+        if entry.get("valueFrom") is not None or "$(" in value:
+            how = "with valueFrom" if entry.get("valueFrom") is not None else f"to {value!r}, a reference to a variable"
+            raise InjectionError(
+                f"container {container.get('name')!r} sets {JOB_ENV} {how}, which only the kubelet resolves, but "
+                f"the webhook must know the job's name when the pod is created, to label the pod {JOB_LABEL} with it "
+                f"for the metrics, the dashboard and the alerts: give the name as a literal value, or "
+                f"{_without_job_env(pod)} (see docs/operator.md)"
+            )
+        setters.setdefault(value, []).append(str(container.get("name")))
+    return setters
+
+
+def _without_job_env(pod: Mapping[str, Any]) -> str:
+    """What a pod that sets no STOWAWAY_JOB gets, as the alternative a refusal above offers."""
+    try:
+        return f"remove {JOB_ENV} and the webhook sets it to the job's name, {job_name(pod)!r}"
+    except InjectionError:
+        return f"remove {JOB_ENV} and create the pod from a Job, whose name the webhook then sets"
+
+
+def _containers(names: list[str]) -> str:
+    quoted = [repr(name) for name in names]
+    if len(quoted) == 1:
+        return f"container {quoted[0]}"
+    return f"containers {', '.join(quoted[:-1])} and {quoted[-1]}"
 
 
 def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
@@ -151,7 +229,9 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
 
     Lists are returned whole (containers, initContainers, volumes): the caller
     diffs them against the submitted Pod into a JSON patch. Existing settings of
-    the user win: an env var the container already sets is left alone. An
+    the user win: an env var the container already sets is left alone, and a
+    STOWAWAY_JOB one sets names the job of the whole pod (its label, the
+    other containers' STOWAWAY_JOB). An
     already injected Pod (a reinvocation, or a copy of an injected Pod) is
     still refused if another container mounts the claim: a copy may have been edited.
     """
@@ -163,10 +243,12 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
         return {}
     pod_spec, shm_limit = _adopt_own_shm(pod_spec, str(spec["sharedMemory"]["sizeLimit"]))
     _refuse_conflicts(pod_spec, claim)
-    job = job_name(pod)
+    # Containers that set no STOWAWAY_JOB get the one the others set, so that the whole pod saves as one job.
+    chosen = _job_the_containers_set(pod)
+    job = job_name(pod) if chosen is None else chosen
     client_env = [
         {"name": "STOWAWAY_SOCKET", "value": SOCKET_PATH},
-        {"name": "STOWAWAY_JOB", "value": job},
+        {"name": JOB_ENV, "value": job},
         {"name": "STOWAWAY_SLOTS_PER_RANK", "value": str(spec["sharedMemory"]["slotsPerRank"])},
     ]
     containers = [_with_client_mounts(c, client_env) for c in pod_spec.get("containers") or []]
@@ -184,12 +266,13 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
     }
     if init_containers:
         patch["spec"]["initContainers"] = init_containers
-    termination = spec["sidecar"]["gracePeriodSeconds"] + TERMINATION_MARGIN_SECONDS
+    termination = sidecar_settings.GRACE_PERIOD.policy_value(spec) + TERMINATION_MARGIN_SECONDS
     if (pod_spec.get("terminationGracePeriodSeconds") or DEFAULT_TERMINATION_SECONDS) < termination:
         # The kubelet stops the trainer first and the sidecar last, all within the pod's grace period.
         patch["spec"]["terminationGracePeriodSeconds"] = termination
     if len(job) <= LABEL_VALUE_MAX and LABEL_VALUE.fullmatch(job):
-        # A generateName too long or odd for a label value leaves Prometheus's job to the PodMonitor's default.
+        # A name the containers set always is a label value (else refused above); a generateName too long or odd
+        # for one leaves Prometheus's job to the PodMonitor's default.
         patch["metadata"]["labels"] = {JOB_LABEL: job}
     shared_group = _shared_group(pod_spec)
     if shared_group:
@@ -207,7 +290,7 @@ def _shared_group(pod_spec: Mapping[str, Any]) -> dict[str, Any]:
     context = pod_spec.get("securityContext") or {}
     if context.get("fsGroup") is not None:
         return {}
-    shared = {"fsGroup": SIDECAR_GID}
+    shared: dict[str, Any] = {"fsGroup": SIDECAR_GID}
     if "fsGroupChangePolicy" not in context:
         # Only re-own the storage volume when its root is not the group yet, not on every start.
         shared["fsGroupChangePolicy"] = "OnRootMismatch"
@@ -282,7 +365,8 @@ def _all_containers(pod_spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 def _mount_path(mount: Mapping[str, Any]) -> str:
     """Where a volumeMount puts its volume, written the one way ("/dev/shm/" is "/dev/shm")."""
-    return mount.get("mountPath", "").rstrip("/")
+    path: str = mount.get("mountPath", "")
+    return path.rstrip("/")
 
 
 def _adopt_own_shm(pod_spec: Mapping[str, Any], slots_limit: str) -> tuple[Mapping[str, Any], str | None]:
@@ -301,7 +385,7 @@ def _adopt_own_shm(pod_spec: Mapping[str, Any], slots_limit: str) -> tuple[Mappi
     if len(at_shm) != 1:
         return pod_spec, slots_limit
     (name,) = at_shm
-    volume = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == name), {})
+    volume: Mapping[str, Any] = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == name), {})
     empty_dir = volume.get("emptyDir")
     only_at_shm = all(_mount_path(m) == SHM_PATH and not m.get("subPath")
                       for m in mounts if m.get("name") == name)
@@ -313,7 +397,13 @@ def _adopt_own_shm(pod_spec: Mapping[str, Any], slots_limit: str) -> tuple[Mappi
         for container in adopted.get(key) or []:
             container["volumeMounts"] = [m for m in container.get("volumeMounts") or [] if m.get("name") != name]
     own = empty_dir.get("sizeLimit")
-    return adopted, None if own is None else str(int(parse_quantity(slots_limit) + parse_quantity(str(own))))
+    return adopted, None if own is None else str(int(_quantity(slots_limit) + _quantity(str(own))))
+
+
+def _quantity(text: str) -> Decimal:
+    """A Kubernetes quantity ("8Gi") as a number."""
+    value: Decimal = parse_quantity(text)  # type: ignore[no-untyped-call]  # kubernetes.utils has no annotations
+    return value
 
 
 def _volumes(spec: Mapping[str, Any], shm_limit: str | None) -> list[dict[str, Any]]:
@@ -333,36 +423,33 @@ def _trainer_uids(pod_spec: Mapping[str, Any]) -> list[int]:
     return sorted({ctx["runAsUser"] for ctx in contexts if ctx.get("runAsUser") is not None})
 
 
-def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
-    sidecar_spec = spec["sidecar"]
-    retention = spec["retention"]
+def _sidecar_command(pod_spec: Mapping[str, Any], spec: Mapping[str, Any]) -> list[str]:
+    """The sidecar's command line: the pod's paths, every setting the policy sets, the trainers' uids."""
     command = [
         "stowaway", "sidecar",
-        "--storage", STORAGE_PATH,
-        "--socket", SOCKET_PATH,
-        "--shm-dir", SLOT_DIR,
-        "--keep-last", str(retention["keepLast"]),
-        "--keep-every", str(retention["keepEvery"]),
-        "--commit-timeout", str(spec["commitTimeoutSeconds"]),
-        "--stale-after", str(spec["alerting"]["staleAfterSeconds"]),
-        "--persist-workers", str(spec["persistence"]["concurrency"]),
-        "--metrics-port", str(sidecar_spec["metricsPort"]),
-        "--grace-period", str(sidecar_spec["gracePeriodSeconds"]),
+        *sidecar_settings.STORAGE.command_line(STORAGE_PATH),
+        *sidecar_settings.SOCKET.command_line(SOCKET_PATH),
+        *sidecar_settings.SHM_DIR.command_line(SLOT_DIR),
     ]
-    if not spec["persistence"]["directIO"]:
-        # The sidecar uses O_DIRECT wherever the filesystem allows it unless told otherwise.
-        command.append("--no-direct-io")
+    for setting in sidecar_settings.FROM_POLICY:
+        command += setting.command_line(setting.policy_value(spec))
     for uid in _trainer_uids(pod_spec):
-        command += ["--allow-uid", str(uid)]
+        command += sidecar_settings.ALLOWED_UIDS.command_line(uid)
+    return command
+
+
+def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
+    sidecar_spec = spec["sidecar"]
+    metrics_port = sidecar_settings.METRICS_PORT.policy_value(spec)
     storage_mount = {"name": STORAGE_VOLUME, "mountPath": STORAGE_PATH}
     if spec["storage"]["persistentVolumeClaim"].get("subPath"):
         storage_mount["subPath"] = spec["storage"]["persistentVolumeClaim"]["subPath"]
     sidecar: dict[str, Any] = {
         "name": SIDECAR_NAME,
         "image": sidecar_spec.get("image") or default_image,
-        "command": command,
+        "command": _sidecar_command(pod_spec, spec),
         "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}}],
-        "ports": [{"name": METRICS_PORT_NAME, "containerPort": sidecar_spec["metricsPort"], "protocol": "TCP"}],
+        "ports": [{"name": METRICS_PORT_NAME, "containerPort": metrics_port, "protocol": "TCP"}],
         "resources": copy.deepcopy(sidecar_spec.get("resources") or {}),
         "volumeMounts": [
             {"name": SHM_VOLUME, "mountPath": SHM_PATH},

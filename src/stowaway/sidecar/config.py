@@ -1,4 +1,8 @@
-"""Settings of one sidecar process, as given on its command line."""
+"""Settings of one sidecar process, as given on its command line.
+
+Defaults, limits and their error messages come from the declarations in
+``stowaway.sidecar_settings``; this class gives them attribute types.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stowaway import sidecar_settings
+
 
 @dataclass(frozen=True)
 class SidecarConfig:
@@ -14,19 +20,19 @@ class SidecarConfig:
     socket_path: Path
     shm_dir: Path
     node: str = field(default_factory=lambda: os.environ.get("NODE_NAME") or socket.gethostname())
-    keep_last: int = 3
-    keep_every: int = 0
-    commit_timeout: float = 600.0
-    persist_workers: int = 4
-    write_rate_limit: float = 0.0
-    grace_period: float = 120.0
-    commit_poll_interval: float = 0.2
+    keep_last: int = sidecar_settings.KEEP_LAST.default
+    keep_every: int = sidecar_settings.KEEP_EVERY.default
+    commit_timeout: float = sidecar_settings.COMMIT_TIMEOUT.default
+    persist_workers: int = sidecar_settings.PERSIST_WORKERS.default
+    write_rate_limit: float = sidecar_settings.WRITE_RATE_LIMIT.default
+    grace_period: float = sidecar_settings.GRACE_PERIOD.default
+    commit_poll_interval: float = sidecar_settings.COMMIT_POLL_INTERVAL.default
     allowed_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.getuid(), 0}))
-    metrics_port: int = 0
-    metrics_address: str = "0.0.0.0"
-    direct_io: bool = True
+    metrics_port: int = sidecar_settings.METRICS_PORT.default
+    metrics_address: str = sidecar_settings.METRICS_ADDRESS.default
+    direct_io: bool = sidecar_settings.DIRECT_IO.default
     # Exported for the alerts, which cannot know each job's save interval: how old a commit may grow.
-    stale_after: float = 7200.0
+    stale_after: float = sidecar_settings.STALE_AFTER.default
 
     def __post_init__(self) -> None:
         if len(os.fsencode(self.socket_path)) >= 108:
@@ -34,16 +40,5 @@ class SidecarConfig:
                 f"socket path {self.socket_path} is {len(os.fsencode(self.socket_path))} bytes; "
                 "Unix sockets need a path shorter than 108 bytes: choose a shorter --socket"
             )
-        if self.keep_last < 1:
-            raise ValueError(f"--keep-last must be at least 1, got {self.keep_last}")
-        if self.keep_every < 0:
-            raise ValueError(f"--keep-every must be 0 (off) or positive, got {self.keep_every}")
-        if self.persist_workers < 1:
-            raise ValueError(f"--persist-workers must be at least 1, got {self.persist_workers}")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"--metrics-port must be 0 (off) or a TCP port up to 65535, got {self.metrics_port}")
-        if self.stale_after <= 0:
-            raise ValueError(f"--stale-after must be a positive number of seconds, above the job's save interval, "
-                             f"got {self.stale_after}")
-        if self.commit_timeout <= 0 or self.grace_period < 0:
-            raise ValueError("--commit-timeout must be positive and --grace-period not negative")
+        for setting in sidecar_settings.CHECKED:
+            setting.check(getattr(self, setting.name))

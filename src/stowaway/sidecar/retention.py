@@ -17,8 +17,14 @@ from stowaway.storage import catalog, durable, layout
 log = logging.getLogger(__name__)
 
 
-def apply(job_path: Path, keep_last: int, keep_every: int, stale_after: float, busy: set[int]) -> list[int]:
-    """Apply the policy; return the steps removed."""
+def apply(job_path: Path, keep_last: int, keep_every: int, abandoned_after: float, busy: set[int]) -> list[int]:
+    """Apply the policy; return the steps removed.
+
+    A partial directory (no manifest) of a step below the newest committed
+    one, not ``busy`` and untouched for ``abandoned_after`` seconds is swept:
+    the sidecar passes its commit timeout, past which no commit can still
+    complete that step.
+    """
     committed = catalog.committed_steps(job_path)
     keep = set(committed[-keep_last:])
     if keep_every:
@@ -37,7 +43,7 @@ def apply(job_path: Path, keep_last: int, keep_every: int, stale_after: float, b
             idle = now - path.stat().st_mtime
         except FileNotFoundError:
             continue
-        if idle > stale_after:
+        if idle > abandoned_after:
             log.info("removing partial checkpoint %s, untouched for %.0f s", path, idle)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(step)

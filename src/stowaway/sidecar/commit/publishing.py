@@ -90,7 +90,7 @@ class Publisher:
         with self._storage_lock:
             # Partial directories untouched for longer than a commit may take are stale.
             retention.apply(self.job_path(job), self._config.keep_last, self._config.keep_every,
-                            self._config.commit_timeout, busy)
+                            abandoned_after=self._config.commit_timeout, busy=busy)
 
     def set_aside(self, job: str, step: int) -> Path | None:
         """Set committed ``step`` aside as corrupt (``storage.set_aside``), under the lock commits take to
