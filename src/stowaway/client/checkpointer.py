@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from stowaway.client import agreement, env
-from stowaway.client.connection import Connection, Message
+from stowaway.client.connection import Connection
 from stowaway.client.handle import SaveHandle
 from stowaway.client.pool import ClientSlot, Owner, SlotPool
 from stowaway.client.spare_slots import SpareSlots
@@ -31,7 +31,7 @@ from stowaway.errors import (
 )
 from stowaway.format import codec, dtensors
 from stowaway.format.safetensors_header import HeaderError
-from stowaway.protocol import messages
+from stowaway.protocol import dispatch, messages
 from stowaway.slots import header
 
 log = logging.getLogger("stowaway")
@@ -39,6 +39,8 @@ DEFAULT_TIMEOUT = 600.0
 # Owners of a slot the sidecar may still read or write: it has not handed it back on this connection yet.
 _HELD_BY_SIDECAR = (Owner.SIDECAR, Owner.UNKNOWN)
 _Call = TypeVar("_Call", bound=Callable[..., Any])
+# Every message the sidecar may send once it has welcomed this rank, and what it does here.
+_ANSWERS: dispatch.Table[Checkpointer, None] = dispatch.Table("the rank")
 
 
 def _collector_paused(call: _Call) -> _Call:
@@ -114,20 +116,19 @@ class Checkpointer:
         self._spares: SpareSlots | None = None
         self._connected = False
         self._handles: dict[int, SaveHandle] = {}
-        self._responses: dict[tuple[str, int], Message] = {}
+        self._responses: dict[tuple[str, int], messages.ToClient] = {}
         self._violation: str | None = None
         # Why the sidecar refused this rank's last hello; cleared by a welcome.
         self._refusal: str | None = None
         self._closed = False
         self.blocking_seconds: list[float] = []
         self.slot_wait_seconds: list[float] = []
-        hello = {
-            "type": "hello", "protocol": messages.PROTOCOL_VERSION, "job": self.job, "rank": self.rank,
-            "local_rank": self.local_rank, "world_size": self.world_size,
-            "local_world_size": self.local_world_size, "node": _node_name(), "pid": os.getpid(),
-        }
         try:
-            messages.validate_hello(hello)
+            hello = messages.Hello(
+                protocol=messages.PROTOCOL_VERSION, job=self.job, rank=self.rank, local_rank=self.local_rank,
+                world_size=self.world_size, local_world_size=self.local_world_size, node=_node_name(),
+                pid=os.getpid(),
+            )
         except messages.MessageError as exc:
             raise ConfigurationError(str(exc)) from None
         self._connection = Connection(self.socket_path, hello, self._connected_cb, self._message_cb, self._lost_cb,
@@ -194,10 +195,8 @@ class Checkpointer:
         header.finish_write(slot.file.header_view, step, generation, encoded.nbytes)
         blocking = time.perf_counter() - started
         handle = SaveHandle(step, self.rank, blocking, slot_wait, self.timeout)
-        request = {
-            "type": "persist", "run": run, "step": step, "slot": slot.index, "generation": generation,
-            "nbytes": encoded.nbytes, "blocking_seconds": blocking, "slot_wait_seconds": slot_wait,
-        }
+        request = messages.Persist(run=run, step=step, slot=slot.index, generation=generation, nbytes=encoded.nbytes,
+                                   blocking_seconds=blocking, slot_wait_seconds=slot_wait)
         with self._cond:
             self.blocking_seconds.append(blocking)
             self.slot_wait_seconds.append(slot_wait)
@@ -255,11 +254,12 @@ class Checkpointer:
         for slot in pool.slots:
             if slot.file is not None and slot.owner is Owner.RANK:
                 self._register(slot)
-        inventory = self._request(("inventory", 0), {"type": "query"})
-        sizes = {item["step"]: item["nbytes"] for item in inventory["committed"]}
-        in_memory = {item["step"]: item["slot"] for item in inventory["memory"]}
+        inventory = self._request(("inventory", 0), messages.Query())
+        assert isinstance(inventory, messages.Inventory)
+        sizes = {item.step: item.nbytes for item in inventory.committed}
+        in_memory = {item.step: item.slot for item in inventory.memory}
         wanted = [found for found in sizes if step is None or found == step]
-        other_world = {item["step"]: item["world_size"] for item in inventory["other_world"]}
+        other_world = {item.step: item.world_size for item in inventory.other_world}
         self._run_id, candidates, other_world = agreement.candidates(self._current_run_id(), wanted, other_world,
                                                                      self.world_size)
         self._refuse_other_world(step, candidates, other_world)
@@ -384,23 +384,22 @@ class Checkpointer:
     def _register(self, slot: ClientSlot) -> None:
         if slot.registered:
             return
-        self._request(("registered", slot.index), {"type": "register", "slot": slot.index,
-                                                  "capacity": slot.capacity})
+        self._request(("registered", slot.index), messages.Register(slot=slot.index, capacity=slot.capacity))
         with self._cond:
             slot.registered = True
 
-    def _request(self, answer: tuple[str, int], message: Message) -> Message:
+    def _request(self, answer: tuple[str, int], message: messages.ToSidecar) -> messages.ToClient:
         with self._cond:
             self._responses.pop(answer, None)
             if not self._connection.send(message):
-                raise SidecarUnavailable(f"rank {self.rank}: cannot send {message['type']} to the sidecar: "
+                raise SidecarUnavailable(f"rank {self.rank}: cannot send {message.TYPE} to the sidecar: "
                                          f"{self._connection.last_error}")
         self._wait_until(lambda: answer in self._responses or not self._connected,
-                         f"the sidecar's answer to {message['type']}", SidecarUnavailable)
+                         f"the sidecar's answer to {message.TYPE}", SidecarUnavailable)
         with self._cond:
             if answer not in self._responses:
                 raise SidecarUnavailable(f"rank {self.rank}: the sidecar went away before answering "
-                                         f"{message['type']}: {self._connection.last_error}")
+                                         f"{message.TYPE}: {self._connection.last_error}")
             return self._responses.pop(answer)
 
     def _restore_from_storage(self, step: int, nbytes: int, map_location: Any, meshes: tuple[Any, ...],
@@ -410,10 +409,11 @@ class Checkpointer:
         self._register(slot)
         with self._cond:
             slot.owner, slot.in_flight_step, slot.in_flight_generation = Owner.SIDECAR, step, None
-        answer = self._request(("stage", slot.index), {"type": "stage", "step": step, "slot": slot.index})
-        if answer["type"] == "failed":
-            raise SaveFailed(answer["reason"])
-        slot.generation = max(slot.generation, answer["generation"])
+        answer = self._request(("stage", slot.index), messages.Stage(step=step, slot=slot.index))
+        if isinstance(answer, messages.Failed):
+            raise SaveFailed(answer.reason)
+        assert isinstance(answer, messages.Staged)
+        slot.generation = max(slot.generation, answer.generation)
         return self._read_slot(slot, step, map_location, meshes, into)
 
     def _read_slot(self, slot: ClientSlot, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> Any:
@@ -443,14 +443,14 @@ class Checkpointer:
                 raise error(f"rank {self.rank} of job {self.job}: waited {self.timeout:.0f} s for {described} "
                             f"(socket {self.socket_path}; last connection problem: {self._connection.last_error})")
 
-    def _connected_cb(self, welcome: Message) -> None:
+    def _connected_cb(self, welcome: messages.Welcome) -> None:
         with self._cond:
             if self._pool is None:
-                self._pool = SlotPool(Path(welcome["shm_dir"]), self.job, self.rank, self._slot_count,
+                self._pool = SlotPool(Path(welcome.shm_dir), self.job, self.rank, self._slot_count,
                                       self.local_world_size)
                 self._pool.adopt_existing()
                 self._spares = SpareSlots(self._pool, self._cond)
-            busy = set(welcome["busy"])
+            busy = set(welcome.busy)
             for slot in self._pool.slots:
                 slot.registered = False
                 if slot.index in busy:
@@ -479,35 +479,47 @@ class Checkpointer:
             self._handles.clear()
             self._cond.notify_all()
 
-    def _message_cb(self, message: Message) -> None:
+    def _message_cb(self, message: messages.ToClient) -> None:
         with self._cond:
             try:
-                self._dispatch(message)
-            except (KeyError, IndexError, ProtocolError) as exc:
+                _ANSWERS.handle(self, message)
+            except (IndexError, ProtocolError, messages.MessageError) as exc:
                 self._violation = f"rank {self.rank}: the sidecar broke the protocol: {exc}"
                 log.error(self._violation)
             self._cond.notify_all()
 
-    def _dispatch(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "registered":
-            self._responses[(kind, message["slot"])] = message
-        elif kind == "inventory":
-            self._responses[("inventory", 0)] = message
-        elif kind == "released":
-            self._return_slot(message["slot"], message["step"], message["generation"])
-        elif kind == "staged":
-            self._return_slot(message["slot"], message["step"], None)
-            self._responses[("stage", message["slot"])] = message
-        elif kind == "failed":
-            self._failed(message)
-        elif kind == "committed":
-            handle = self._handles.pop(message["step"], None)
-            if handle is not None:
-                handle._resolve(None)
+    @_ANSWERS.on(messages.Registered)
+    def _registered(self, message: messages.Registered) -> None:
+        self._responses[("registered", message.slot)] = message
 
-    def _failed(self, message: Message) -> None:
-        step, index = message["step"], message["slot"]
+    @_ANSWERS.on(messages.Inventory)
+    def _inventory(self, message: messages.Inventory) -> None:
+        self._responses[("inventory", 0)] = message
+
+    @_ANSWERS.on(messages.Released)
+    def _released(self, message: messages.Released) -> None:
+        self._return_slot(message.slot, message.step, message.generation)
+
+    @_ANSWERS.on(messages.Staged)
+    def _staged(self, message: messages.Staged) -> None:
+        self._return_slot(message.slot, message.step, None)
+        self._responses[("stage", message.slot)] = message
+
+    @_ANSWERS.on(messages.Persisted)
+    def _persisted(self, message: messages.Persisted) -> None:
+        handle = self._handles.get(message.step)
+        if handle is not None:
+            handle._mark_durable()
+
+    @_ANSWERS.on(messages.Committed)
+    def _committed(self, message: messages.Committed) -> None:
+        handle = self._handles.pop(message.step, None)
+        if handle is not None:
+            handle._resolve(None)
+
+    @_ANSWERS.on(messages.Failed)
+    def _failed(self, message: messages.Failed) -> None:
+        step, index = message.step, message.slot
         if index is not None:
             staging = self._require_pool().slots[index].in_flight_generation is None
             self._return_slot(index, step, None)
@@ -517,8 +529,8 @@ class Checkpointer:
         handle = self._handles.pop(step, None)
         if handle is not None:
             # Logged as well: a loop that never waits for its handles would not hear of it otherwise.
-            log.warning("rank %d: step %d was not committed: %s", self.rank, step, message["reason"])
-            handle._resolve(message["reason"])
+            log.warning("rank %d: step %d was not committed: %s", self.rank, step, message.reason)
+            handle._resolve(message.reason)
 
     def _return_slot(self, index: int, step: int, generation: int | None) -> None:
         assert self._pool is not None

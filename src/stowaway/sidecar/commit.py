@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stowaway.protocol import messages
 from stowaway.sidecar import retention
 from stowaway.sidecar.config import SidecarConfig
 from stowaway.sidecar.ranks import Registry
@@ -200,7 +201,7 @@ class Committer:
         self._stats.failed(kind)
         log.warning("step %d of job %s failed: %s", step, job, reason)
         for rank in sorted(pending.admitted):
-            self._send(job, rank, {"type": "failed", "step": step, "slot": None, "reason": reason})
+            self._send(job, rank, messages.Failed(step=step, slot=None, reason=reason))
         # A failure learnt from another node's notice is not announced again.
         if pending.multi_node and kind != _OTHER_NODE_FAILED:
             notice = asyncio.create_task(self._announce(pending, reason), name=f"failure notice {job}/{step}")
@@ -402,9 +403,9 @@ class Committer:
         self._stats.committed(pending.step, seconds, time.time())
         log.info("committed step %d of job %s in %.3f s", pending.step, pending.job, seconds)
         for rank in sorted(pending.admitted):
-            self._send(pending.job, rank, {"type": "committed", "step": pending.step})
+            self._send(pending.job, rank, messages.Committed(step=pending.step))
 
-    def _send(self, job: str, rank: int, message: dict[str, object]) -> None:
+    def _send(self, job: str, rank: int, message: messages.ToClient) -> None:
         for state in self._registry.job_ranks(job):
             if state.rank == rank:
                 state.send(message)
