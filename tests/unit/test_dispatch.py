@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stowaway.client import checkpointer, connection
+from stowaway.client import answers, connection
 from stowaway.protocol import dispatch, messages
 from stowaway.sidecar import session
 
@@ -14,9 +14,9 @@ def test_every_message_a_rank_sends_has_a_handler_in_the_sidecar():
 
 
 def test_every_message_the_sidecar_sends_has_a_handler_in_the_rank():
-    handled = checkpointer._ANSWERS.kinds() | connection.HANDLED_HERE
+    handled = answers.TABLE.kinds() | connection.HANDLED_HERE
     assert handled == set(messages.Direction.TO_CLIENT.kinds.values())
-    assert not checkpointer._ANSWERS.kinds() & connection.HANDLED_HERE, "one message, two places that handle it"
+    assert not answers.TABLE.kinds() & connection.HANDLED_HERE, "one message, two places that handle it"
 
 
 class Recorder:
