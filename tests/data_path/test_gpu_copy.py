@@ -41,7 +41,7 @@ def test_the_stored_checkpoint_holds_the_values_at_save_time_not_later_ones(star
             for tensor in state.values():
                 tensor.add_(1)
         handle.wait(60)
-        assert ckpt._require_pool().slots[0].payload().is_pinned(), "the slot was not registered as pinned memory"
+        assert ckpt._slots.pool.slots[0].payload().is_pinned(), "the slot was not registered as pinned memory"
     stored = load_file(storage / "gpu" / "step-000000000001" / "rank-00000-of-00001.safetensors")
     for name, tensor in expected.items():
         assert torch.equal(stored[name], tensor), f"{name}: the stored bytes are not those of save time"
@@ -90,7 +90,7 @@ def test_a_dtensor_shard_on_the_device_comes_back_on_the_device_mesh(start_sidec
         sidecar = start_sidecar()
         with Checkpointer(job="gpu", socket=sidecar.socket, rank=0, world_size=1, timeout=60) as ckpt:
             ckpt.save(3, {"w": saved}).wait(60)
-            assert ckpt._require_pool().slots[0].payload().is_pinned(), "the slot was not registered as pinned memory"
+            assert ckpt._slots.pool.slots[0].payload().is_pinned(), "the slot was not registered as pinned memory"
             step, restored = ckpt.load(map_location="cuda", device_mesh=mesh)
         weight = restored["w"]
         assert step == 3 and isinstance(weight, DTensor) and isinstance(weight, torch.nn.Parameter)

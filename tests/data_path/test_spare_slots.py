@@ -18,7 +18,8 @@ import torch
 
 from data_path.processes import wait_for
 from stowaway import Checkpointer
-from stowaway.client.pool import Owner, SlotPool
+from stowaway.client.ledger import SlotLedger, SlotState
+from stowaway.client.pool import SlotPool
 from stowaway.client.spare_slots import SpareSlots
 from stowaway.slots import naming, shm
 from stowaway.storage import layout
@@ -49,15 +50,16 @@ def pool(short_tmp: Path):
 
 def test_the_other_slots_are_allocated_and_resident_before_a_save_uses_them(pool):
     cond = threading.Condition()
-    spares = SpareSlots(pool, cond)
+    ledger = SlotLedger(len(pool.slots), cond)
+    spares = SpareSlots(pool, ledger)
     pool.ensure_capacity(pool.slots[0], CAPACITY)
     with cond:
         spares.prepare(pool.slots[0].capacity)
         # No save can take a slot while the allocator works on it: the allocator needs this lock to give it back.
-        assert [slot.owner for slot in pool.slots] == [Owner.RANK, Owner.ALLOCATOR, Owner.ALLOCATOR]
+        assert ledger.states() == [SlotState.IDLE, SlotState.ALLOCATING, SlotState.ALLOCATING]
     spares.join(timeout=60)
 
-    assert [slot.owner for slot in pool.slots] == [Owner.RANK] * 3
+    assert ledger.states() == [SlotState.IDLE] * 3
     for slot in pool.slots[1:]:
         assert slot.file is not None and slot.capacity >= CAPACITY
         assert os.stat(slot.file.path).st_blocks * 512 >= shm.file_size_for(CAPACITY), "pages not reserved"
@@ -117,7 +119,8 @@ def test_reserve_makes_every_slot_resident_before_the_first_save_which_then_land
 
 def test_a_slot_that_cannot_be_allocated_ahead_is_left_to_the_save_that_needs_it(pool, caplog):
     cond = threading.Condition()
-    spares = SpareSlots(pool, cond)
+    ledger = SlotLedger(len(pool.slots), cond)
+    spares = SpareSlots(pool, ledger)
     pool.ensure_capacity(pool.slots[0], CAPACITY)
     stats = os.statvfs(pool.shm_dir)
     too_big = stats.f_bavail * stats.f_frsize
@@ -125,7 +128,7 @@ def test_a_slot_that_cannot_be_allocated_ahead_is_left_to_the_save_that_needs_it
         spares.prepare(too_big)
     spares.join(timeout=60)
 
-    assert [slot.owner for slot in pool.slots] == [Owner.RANK] * 3
+    assert ledger.states() == [SlotState.IDLE] * 3
     assert pool.slots[1].file is None and pool.slots[2].file is None
     assert not naming.slot_path(pool.shm_dir, "spare", 0, 1).exists()
     assert "could not allocate slot 1 ahead of its first use" in caplog.text

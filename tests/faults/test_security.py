@@ -87,7 +87,7 @@ def test_a_job_name_the_sidecar_accepts_names_one_entry_inside_the_storage_and_s
     job: str
 ) -> None:
     try:
-        messages.validate_hello({**HELLO, "job": job})
+        messages.decode({**HELLO, "job": job}, messages.Direction.TO_SIDECAR)
     except messages.MessageError as exc:
         assert f"job name {job!r} is invalid" in str(exc)
         return

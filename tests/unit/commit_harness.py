@@ -18,10 +18,11 @@ import struct
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
+from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 
 import pytest
 
+from stowaway.protocol import messages
 from stowaway.sidecar.commit import coordinator
 from stowaway.sidecar.config import SidecarConfig
 from stowaway.sidecar.ranks import Registry
@@ -147,8 +148,10 @@ class RankConnection:
     def __init__(self) -> None:
         self._answers: asyncio.Queue[Answer] = asyncio.Queue()
 
-    def send(self, message: dict[str, Any]) -> None:
-        self._answers.put_nowait(Answer(message["type"], message["step"], message.get("reason")))
+    def send(self, message: messages.ToClient) -> None:
+        assert isinstance(message, messages.Committed | messages.Failed), f"the commit sent {message!r}"
+        reason = message.reason if isinstance(message, messages.Failed) else None
+        self._answers.put_nowait(Answer(message.TYPE, message.step, reason))
 
     async def answer(self) -> Answer:
         return await asyncio.wait_for(self._answers.get(), REAL_TIMEOUT)
@@ -173,7 +176,9 @@ class Node:
 
     def connect(self, job: str, rank: int, world_size: int, local_world_size: int) -> RankConnection:
         connection = RankConnection()
-        hello = {"job": job, "rank": rank, "world_size": world_size, "local_world_size": local_world_size}
+        hello = messages.Hello(protocol=messages.PROTOCOL_VERSION, job=job, rank=rank,
+                               local_rank=rank % local_world_size, world_size=world_size,
+                               local_world_size=local_world_size, node="test", pid=os.getpid())
         # The committer only ever calls ``send`` on a rank's connection.
         self.registry.attach(cast("Session", connection), hello)
         return connection

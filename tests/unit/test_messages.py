@@ -1,10 +1,13 @@
-"""Message validation: every field checked before a handler runs."""
+"""Message validation: every field checked before a handler runs; the wire format kept key for key."""
 
 from __future__ import annotations
 
 import pytest
 
-from stowaway.protocol import messages
+from stowaway.protocol import frames, messages
+
+TO_SIDECAR = messages.Direction.TO_SIDECAR
+TO_CLIENT = messages.Direction.TO_CLIENT
 
 
 def hello(**overrides):
@@ -14,7 +17,8 @@ def hello(**overrides):
 
 
 def test_a_good_hello_passes():
-    assert messages.validate_hello(messages.validate(hello(), messages.CLIENT_MESSAGES))["rank"] == 1
+    decoded = messages.decode(hello(), TO_SIDECAR)
+    assert isinstance(decoded, messages.Hello) and decoded.rank == 1
 
 
 @pytest.mark.parametrize(
@@ -30,7 +34,7 @@ def test_a_good_hello_passes():
 )
 def test_a_bad_hello_names_what_is_wrong(overrides, error):
     with pytest.raises(messages.MessageError, match=error.replace("(", r"\(")):
-        messages.validate_hello(messages.validate(hello(**overrides), messages.CLIENT_MESSAGES))
+        messages.decode(hello(**overrides), TO_SIDECAR)
 
 
 @pytest.mark.parametrize(
@@ -40,13 +44,91 @@ def test_a_bad_hello_names_what_is_wrong(overrides, error):
         ({"type": "register", "slot": 0}, "register message lacks field 'capacity'"),
         ({"type": "register", "slot": "0", "capacity": 1}, "register.slot must be int, got str"),
         ({"type": "register", "slot": True, "capacity": 1}, "register.slot must be int, got a boolean"),
+        ({"type": "register", "slot": 0, "capacity": -1}, "register.capacity must be between 0 and"),
+        ({"type": "persist", "run": "r", "step": 1, "slot": 0, "generation": 1, "nbytes": 1,
+          "blocking_seconds": False, "slot_wait_seconds": 0},
+         "persist.blocking_seconds must be int or float, got a boolean"),
+        ({"type": "welcome"}, "unknown message type 'welcome'"),
     ],
 )
 def test_malformed_messages_are_rejected_with_the_field_named(message, error):
     with pytest.raises(messages.MessageError, match=error):
-        messages.validate(message, messages.CLIENT_MESSAGES)
+        messages.decode(message, TO_SIDECAR)
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        ({"type": "hello"}, "unknown message type 'hello'"),
+        ({"type": "failed", "step": 1, "slot": "0", "reason": "r"}, "failed.slot must be int or NoneType, got str"),
+        ({"type": "welcome", "protocol": 1, "node": "n", "busy": [0, True], "shm_dir": "/dev/shm"},
+         r"welcome.busy\[1\] must be int, got a boolean"),
+        ({"type": "inventory", "committed": [{"step": 1}], "memory": [], "other_world": []},
+         r"inventory.committed\[0\] lacks field 'nbytes'"),
+        ({"type": "inventory", "committed": [], "memory": [7], "other_world": []},
+         r"inventory.memory\[0\] must be dict, got int"),
+        ({"type": "released", "slot": 0, "step": 2**63, "generation": 1}, "released.step must be between 0 and"),
+    ],
+)
+def test_malformed_answers_of_the_sidecar_are_rejected_with_the_field_named(message, error):
+    with pytest.raises(messages.MessageError, match=error):
+        messages.decode(message, TO_CLIENT)
 
 
 def test_slot_indices_are_bounded():
     with pytest.raises(messages.MessageError, match="slot index 64"):
-        messages.check_slot_index(64)
+        messages.Register(slot=64, capacity=1)
+    with pytest.raises(messages.MessageError, match="slot index -1"):
+        messages.decode({"type": "stage", "step": 1, "slot": -1}, TO_SIDECAR)
+    with pytest.raises(messages.MessageError, match="slot index 64"):
+        messages.decode({"type": "inventory", "committed": [], "memory": [{"step": 1, "slot": 64}],
+                         "other_world": []}, TO_CLIENT)
+
+
+# What each message looked like on the wire when messages were dicts: the typed ones must encode to exactly these.
+WIRE = [
+    (TO_SIDECAR, hello()),
+    (TO_SIDECAR, {"type": "register", "slot": 1, "capacity": 4096}),
+    (TO_SIDECAR, {"type": "persist", "run": "r", "step": 7, "slot": 1, "generation": 3, "nbytes": 100,
+                  "blocking_seconds": 0.25, "slot_wait_seconds": 0}),
+    (TO_SIDECAR, {"type": "query"}),
+    (TO_SIDECAR, {"type": "stage", "step": 7, "slot": 0}),
+    (TO_CLIENT, {"type": "welcome", "protocol": 1, "node": "node-a", "busy": [0, 2], "shm_dir": "/dev/shm"}),
+    (TO_CLIENT, {"type": "registered", "slot": 1}),
+    (TO_CLIENT, {"type": "released", "slot": 1, "step": 7, "generation": 3}),
+    (TO_CLIENT, {"type": "persisted", "step": 7}),
+    (TO_CLIENT, {"type": "committed", "step": 7}),
+    (TO_CLIENT, {"type": "failed", "step": 7, "slot": None, "reason": "commit timed out"}),
+    (TO_CLIENT, {"type": "failed", "step": 7, "slot": 1, "reason": "storage is full"}),
+    (TO_CLIENT, {"type": "inventory", "committed": [{"step": 7, "nbytes": 100}], "memory": [{"step": 7, "slot": 1}],
+                 "other_world": [{"step": 9, "world_size": 8}]}),
+    (TO_CLIENT, {"type": "staged", "step": 7, "slot": 0, "generation": 4, "nbytes": 100}),
+    (TO_CLIENT, {"type": "error", "reason": "hello sent twice on one connection"}),
+]
+
+
+@pytest.mark.parametrize(("direction", "wire"), WIRE, ids=[f"{wire['type']}-{i}" for i, (_, wire) in enumerate(WIRE)])
+def test_every_message_decodes_to_its_class_and_encodes_to_the_same_frame_bytes(direction, wire):
+    decoded = messages.decode(wire, direction)
+    assert type(decoded) is direction.kinds[wire["type"]]
+    assert frames.encode(messages.encode(decoded)) == frames.encode(wire)
+
+
+def test_the_wire_examples_cover_every_message_type():
+    for direction in messages.Direction:
+        assert {wire["type"] for side, wire in WIRE if side is direction} == set(direction.kinds)
+
+
+def test_keys_a_message_does_not_have_are_ignored():
+    decoded = messages.decode({"type": "committed", "step": 3, "later": "field"}, TO_CLIENT)
+    assert messages.encode(decoded) == {"type": "committed", "step": 3}
+
+
+def test_messages_are_frozen_and_built_from_code_checked_like_from_the_wire():
+    committed = messages.Committed(step=3)
+    with pytest.raises(AttributeError):
+        committed.step = 4
+    with pytest.raises(messages.MessageError, match=r"committed\.step must be int, got str"):
+        messages.Committed(step="3")
+    welcome = messages.Welcome(protocol=1, node="n", busy=[2, 0], shm_dir="/s")
+    assert welcome.busy == (2, 0), "a JSON list becomes a tuple"

@@ -6,9 +6,9 @@ one rank, and for ranks that only ever restore committed steps from one
 shared storage).
 
 Ranks nearly always agree, and an object exchange (``all_gather_object``:
-pickling, two collectives) costs tens of milliseconds with eight ranks where a
-one-tensor ``all_reduce`` costs a few. So each question is first asked with
-an ``all_reduce``; the full exchange runs only when that shows a difference.
+pickling, two collectives) costs many times a one-tensor ``all_reduce``. So
+each question is first asked with an ``all_reduce``; the full exchange runs
+only when that shows a difference.
 """
 
 from __future__ import annotations

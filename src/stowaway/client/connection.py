@@ -18,13 +18,13 @@ import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from stowaway.protocol import frames, messages
 
 log = logging.getLogger("stowaway")
 
-Message = dict[str, Any]
+# The messages this module acts on itself; every other message goes to ``on_message``.
+HANDLED_HERE: frozenset[type[messages.ToClient]] = frozenset({messages.Welcome, messages.Error})
 RECV_BYTES = 64 * 1024
 _FIRST_BACKOFF = 0.02
 _MAX_BACKOFF = 1.0
@@ -34,9 +34,9 @@ class Connection:
     def __init__(
         self,
         path: Path,
-        hello: Message,
-        on_connected: Callable[[Message], None],
-        on_message: Callable[[Message], None],
+        hello: messages.Hello,
+        on_connected: Callable[[messages.Welcome], None],
+        on_message: Callable[[messages.ToClient], None],
         on_lost: Callable[[str], None],
         on_refused: Callable[[str], None],
     ) -> None:
@@ -50,14 +50,14 @@ class Connection:
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self.last_error = "not connected yet"
-        self._thread = threading.Thread(target=self._run, name=f"stowaway-rank{hello['rank']}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"stowaway-rank{hello.rank}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def send(self, message: Message) -> bool:
+    def send(self, message: messages.ToSidecar) -> bool:
         """Send on the current socket; False when there is none (the caller waits for a reconnect)."""
-        data = frames.encode(message)
+        data = frames.encode(messages.encode(message))
         with self._send_lock:
             if self._sock is None:
                 return False
@@ -107,7 +107,7 @@ class Connection:
                 problem += (f" (uid {os.getuid()} may not open the socket: run the rank in the socket's group, "
                             "in Kubernetes the pod's fsGroup, or as the sidecar's user)")
                 if problem != self.last_error:
-                    log.warning("rank %d: %s; retrying", self._hello["rank"], problem)
+                    log.warning("rank %d: %s; retrying", self._hello.rank, problem)
             self.last_error = problem
             return None
         return sock
@@ -116,26 +116,25 @@ class Connection:
         """Say hello and dispatch answers until the connection ends; returns why, and whether it was welcomed."""
         decoder = frames.FrameDecoder()
         welcomed = False
+        unsent: str | None = None
         try:
-            sock.sendall(frames.encode(self._hello))
+            sock.sendall(frames.encode(messages.encode(self._hello)))
         except OSError as exc:
             # A sidecar that refuses a peer answers and closes before reading the hello: its reason is still
             # waiting in the socket, and says more than the broken pipe.
             unsent = f"connection to the sidecar failed: {exc}"
-        else:
-            unsent = None
         try:
             while data := sock.recv(RECV_BYTES):
-                for message in decoder.feed(data):
-                    messages.validate(message, messages.SIDECAR_MESSAGES)
-                    if message["type"] == "error":
-                        reason = f"the sidecar closed the connection: {message['reason']}"
+                for frame in decoder.feed(data):
+                    message = messages.decode(frame, messages.Direction.TO_CLIENT)
+                    if isinstance(message, messages.Error):
+                        reason = f"the sidecar closed the connection: {message.reason}"
                         if not welcomed:
                             self._on_refused(reason)
                         return reason, welcomed
                     if not welcomed:
-                        if message["type"] != "welcome":
-                            return f"the sidecar sent {message['type']} before welcome", welcomed
+                        if not isinstance(message, messages.Welcome):
+                            return f"the sidecar sent {message.TYPE} before welcome", welcomed
                         with self._send_lock:
                             self._sock = sock
                         welcomed = True

@@ -7,6 +7,7 @@ torchrun sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE; the operator
 from __future__ import annotations
 
 import os
+import uuid
 
 from stowaway.errors import ConfigurationError
 
@@ -33,3 +34,30 @@ def integer(value: int | None, name: str, default: int) -> int:
         return int(found)
     except ValueError:
         raise ConfigurationError(f"environment variable {name}={found!r} is not an integer") from None
+
+
+class RunId:
+    """Which incarnation of the job this process belongs to: the ``run`` of its persists.
+
+    Given, or from ``STOWAWAY_RUN_ID``; else, when first asked, torchelastic's
+    run and restart count, a fresh one for a job of one rank, or "default".
+    ``load`` replaces it with rank 0's, so that all ranks tag their files alike.
+    """
+
+    def __init__(self, given: str | None, world_size: int) -> None:
+        self._value = given or os.environ.get("STOWAWAY_RUN_ID") or None
+        self._world_size = world_size
+
+    def current(self) -> str:
+        if self._value is None:
+            elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+            if elastic and elastic != "none":
+                self._value = f"{elastic}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            elif self._world_size == 1:
+                self._value = uuid.uuid4().hex
+            else:
+                self._value = "default"
+        return self._value
+
+    def agree(self, rank0s: str) -> None:
+        self._value = rank0s

@@ -1,15 +1,12 @@
-"""The rank's side of slot ownership.
+"""The rank's slot files: found, allocated, grown and mapped.
 
-Each slot is owned by the rank (it may write), by the sidecar (a persist or a
-stage is in flight), by the rank's background allocator (``spare_slots``), or
-unknown (the connection dropped and the sidecar has not said yet which slots
-it still reads). Saves write only ``Owner.RANK`` slots; the checkpointer moves
-a slot between rank and sidecar only on messages from its own connection.
+Which of them the rank may write at a given moment is the ledger's to say
+(``ledger``); this module only ever touches a slot the caller has been
+given by it.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,21 +20,13 @@ from stowaway.slots import header, naming, shm
 HEADROOM = 1.10
 
 
-class Owner(enum.Enum):
-    RANK = "rank"
-    SIDECAR = "sidecar"
-    ALLOCATOR = "allocator"
-    UNKNOWN = "unknown"
-
-
 @dataclass
 class ClientSlot:
     index: int
     file: shm.SlotFile | None = None
-    owner: Owner = Owner.RANK
-    in_flight_step: int | None = None
-    in_flight_generation: int | None = None
+    # The generation this rank last wrote (or the sidecar last staged), so that the next write's is newer.
     generation: int = 0
+    # Whether the sidecar has opened this mapping of the file on the current connection.
     registered: bool = False
     _tensor: torch.Tensor | None = None
     _views_placement: list[Placed] | None = None
@@ -59,9 +48,9 @@ class ClientSlot:
     def views_for(self, layout: Layout) -> list[torch.Tensor]:
         """The payload views ``layout`` writes into, cached while the plan and the mapping stay the same.
 
-        Building a view costs microseconds per tensor, and a state has
-        thousands; the cache holds the placement itself, so an identity check
-        cannot match a different plan.
+        Each view costs Python work per tensor, and a state has thousands;
+        the cache holds the placement itself, so an identity check cannot
+        match a different plan.
         """
         if self._views is None or self._views_placement is not layout.tensors or self._views_start != layout.data_start:
             self._views = codec.targets(layout, self.payload())
@@ -112,7 +101,7 @@ class SlotPool:
             slot.registered = False
 
     def ensure_capacity(self, slot: ClientSlot, nbytes: int) -> None:
-        """Allocate or grow ``slot`` (which the rank owns) to hold ``nbytes``."""
+        """Allocate or grow ``slot`` (which the rank holds: writing or allocating it) to hold ``nbytes``."""
         if slot.capacity >= nbytes:
             return
         target = int(nbytes * HEADROOM) if slot.file is not None else nbytes

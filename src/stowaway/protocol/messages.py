@@ -1,15 +1,25 @@
 """Message types, their fields, and validation.
 
-Each message is a JSON object with a ``type``. ``validate`` checks the type and
-every field before any handler sees it, so handlers never deal with a missing
-key or a string where a number belongs, and a bad message becomes one clear
-error frame instead of an exception deep inside the sidecar.
+Each message is a frozen dataclass whose fields are the JSON object's keys; its
+``type`` key is the class's ``TYPE``. The field annotations are the schema:
+constructing a message checks every field against its annotation (and a hello
+against the rules for names and ranks), whether the values come from the wire
+through ``decode`` or from code, so handlers never deal with a missing key or
+a string where a number belongs, and a bad message becomes one clear error
+frame instead of an exception deep inside the sidecar. ``encode`` gives back
+the JSON object, key for key as ``decode`` reads it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import re
-from typing import Any
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, overload
 
 PROTOCOL_VERSION = 1
 
@@ -21,102 +31,358 @@ MAX_WORLD_SIZE = 1 << 20
 # Steps, generations and sizes are stored as 64-bit integers (slot header, file names); a value outside
 # this range can only come from a broken or hostile peer.
 MAX_INT64 = 2**63 - 1
-NON_NEGATIVE = frozenset({"step", "generation", "nbytes", "capacity", "pid"})
-
-_INT = int
-_NUM = (int, float)
-
-# type -> {field: expected python type(s)}; bool is rejected where int is expected.
-CLIENT_MESSAGES: dict[str, dict[str, Any]] = {
-    "hello": {
-        "protocol": _INT,
-        "job": str,
-        "rank": _INT,
-        "local_rank": _INT,
-        "world_size": _INT,
-        "local_world_size": _INT,
-        "node": str,
-        "pid": _INT,
-    },
-    "register": {"slot": _INT, "capacity": _INT},
-    "persist": {
-        "run": str,
-        "step": _INT,
-        "slot": _INT,
-        "generation": _INT,
-        "nbytes": _INT,
-        "blocking_seconds": _NUM,
-        "slot_wait_seconds": _NUM,
-    },
-    "query": {},
-    "stage": {"step": _INT, "slot": _INT},
-}
-
-SIDECAR_MESSAGES: dict[str, dict[str, Any]] = {
-    "welcome": {"protocol": _INT, "node": str, "busy": list, "shm_dir": str},
-    "registered": {"slot": _INT},
-    "released": {"slot": _INT, "step": _INT, "generation": _INT},
-    "persisted": {"step": _INT},
-    "committed": {"step": _INT},
-    "failed": {"step": _INT, "slot": (int, type(None)), "reason": str},
-    "inventory": {"committed": list, "memory": list, "other_world": list},
-    "staged": {"step": _INT, "slot": _INT, "generation": _INT, "nbytes": _INT},
-    "error": {"reason": str},
-}
 
 
 class MessageError(ValueError):
     """A decoded frame is not a valid message of the protocol."""
 
 
-def validate(message: dict[str, Any], schema: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    kind = message.get("type")
-    if kind not in schema:
-        raise MessageError(f"unknown message type {kind!r}; expected one of {sorted(schema)}")
-    for field, expected in schema[kind].items():
-        if field not in message:
-            raise MessageError(f"{kind} message lacks field {field!r}")
-        value = message[field]
-        if isinstance(value, bool) and bool not in _as_tuple(expected):
-            raise MessageError(f"{kind}.{field} must be {_describe(expected)}, got a boolean")
-        if not isinstance(value, expected):
-            raise MessageError(f"{kind}.{field} must be {_describe(expected)}, got {type(value).__name__}")
-        if field in NON_NEGATIVE and isinstance(value, int) and not 0 <= value <= MAX_INT64:
-            raise MessageError(f"{kind}.{field} must be between 0 and {MAX_INT64}, got {value}")
-    return message
+class _Int64:
+    def check(self, where: str, value: int) -> None:
+        if not 0 <= value <= MAX_INT64:
+            raise MessageError(f"{where} must be between 0 and {MAX_INT64}, got {value}")
 
 
-def validate_hello(message: dict[str, Any]) -> dict[str, Any]:
-    """Check what the schema cannot: version, names, and rank arithmetic."""
-    if message["protocol"] != PROTOCOL_VERSION:
-        raise MessageError(
-            f"protocol version {message['protocol']} is not supported; this sidecar speaks "
-            f"version {PROTOCOL_VERSION}: use the same Stowaway release for client and sidecar"
-        )
-    if not JOB_NAME.match(message["job"]):
-        raise MessageError(
-            f"job name {message['job']!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-    if not NODE_NAME.match(message["node"]):
-        raise MessageError(f"node name {message['node']!r} is invalid")
-    world, rank = message["world_size"], message["rank"]
-    local_world, local_rank = message["local_world_size"], message["local_rank"]
-    if not 1 <= world <= MAX_WORLD_SIZE or not 0 <= rank < world:
-        raise MessageError(f"rank {rank} is not within world size {world}")
-    if not 1 <= local_world <= world or not 0 <= local_rank < local_world:
-        raise MessageError(f"local rank {local_rank} is not within local world size {local_world}")
-    return message
+class _SlotIndex:
+    def check(self, where: str, value: int) -> None:
+        if not 0 <= value < MAX_SLOTS_PER_RANK:
+            raise MessageError(f"slot index {value} is outside 0..{MAX_SLOTS_PER_RANK - 1}")
 
 
-def check_slot_index(slot: int) -> None:
-    if not 0 <= slot < MAX_SLOTS_PER_RANK:
-        raise MessageError(f"slot index {slot} is outside 0..{MAX_SLOTS_PER_RANK - 1}")
+# ``X | None`` is a types.UnionType, but ``Annotated[...] | None`` a typing.Union.
+_UNIONS = (types.UnionType, typing.Union)
+
+# A step, generation, size or pid: what the slot header and the file names store.
+Int64 = Annotated[int, _Int64()]
+# A slot of one rank: slot files are named with two digits, and a rank has at most this many.
+SlotIndex = Annotated[int, _SlotIndex()]
 
 
-def _as_tuple(expected: Any) -> tuple[Any, ...]:
-    return expected if isinstance(expected, tuple) else (expected,)
+@dataclass(frozen=True)
+class Record:
+    """Fields checked and normalised from their annotations at construction (JSON lists become tuples)."""
+
+    def __post_init__(self) -> None:
+        for name, hint in _hints(type(self)).items():
+            object.__setattr__(self, name, _typed(hint, getattr(self, name), f"{self._label()}.{name}"))
+
+    def _label(self) -> str:
+        return type(self).__name__
 
 
-def _describe(expected: Any) -> str:
-    return " or ".join(t.__name__ for t in _as_tuple(expected))
+@dataclass(frozen=True)
+class Message(Record):
+    """One JSON object on the wire; ``TYPE`` is its ``type`` key."""
+
+    TYPE: ClassVar[str]
+
+    def _label(self) -> str:
+        return self.TYPE
+
+
+class ToSidecar(Message):
+    """A message a rank sends to its sidecar."""
+
+
+class ToClient(Message):
+    """A message the sidecar sends to a rank."""
+
+
+# Client -> sidecar.
+
+
+@dataclass(frozen=True)
+class Hello(ToSidecar):
+    TYPE: ClassVar[str] = "hello"
+    protocol: int
+    job: str
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node: str
+    pid: Int64
+
+    def __post_init__(self) -> None:
+        """Check what the field types cannot: version, names, and rank arithmetic."""
+        super().__post_init__()
+        if self.protocol != PROTOCOL_VERSION:
+            raise MessageError(
+                f"protocol version {self.protocol} is not supported; this sidecar speaks "
+                f"version {PROTOCOL_VERSION}: use the same Stowaway release for client and sidecar"
+            )
+        if not JOB_NAME.match(self.job):
+            raise MessageError(
+                f"job name {self.job!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+        if not NODE_NAME.match(self.node):
+            raise MessageError(f"node name {self.node!r} is invalid")
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE or not 0 <= self.rank < self.world_size:
+            raise MessageError(f"rank {self.rank} is not within world size {self.world_size}")
+        if not 1 <= self.local_world_size <= self.world_size or not 0 <= self.local_rank < self.local_world_size:
+            raise MessageError(
+                f"local rank {self.local_rank} is not within local world size {self.local_world_size}"
+            )
+
+
+@dataclass(frozen=True)
+class Register(ToSidecar):
+    TYPE: ClassVar[str] = "register"
+    slot: SlotIndex
+    capacity: Int64
+
+
+@dataclass(frozen=True)
+class Persist(ToSidecar):
+    TYPE: ClassVar[str] = "persist"
+    run: str
+    step: Int64
+    slot: SlotIndex
+    generation: Int64
+    nbytes: Int64
+    blocking_seconds: float
+    slot_wait_seconds: float
+
+
+@dataclass(frozen=True)
+class Query(ToSidecar):
+    TYPE: ClassVar[str] = "query"
+
+
+@dataclass(frozen=True)
+class Stage(ToSidecar):
+    TYPE: ClassVar[str] = "stage"
+    step: Int64
+    slot: SlotIndex
+
+
+# Sidecar -> client.
+
+
+@dataclass(frozen=True)
+class Welcome(ToClient):
+    TYPE: ClassVar[str] = "welcome"
+    protocol: int
+    node: str
+    busy: tuple[SlotIndex, ...]
+    shm_dir: str
+
+
+@dataclass(frozen=True)
+class Registered(ToClient):
+    TYPE: ClassVar[str] = "registered"
+    slot: SlotIndex
+
+
+@dataclass(frozen=True)
+class Released(ToClient):
+    TYPE: ClassVar[str] = "released"
+    slot: SlotIndex
+    step: Int64
+    generation: Int64
+
+
+@dataclass(frozen=True)
+class Persisted(ToClient):
+    TYPE: ClassVar[str] = "persisted"
+    step: Int64
+
+
+@dataclass(frozen=True)
+class Committed(ToClient):
+    TYPE: ClassVar[str] = "committed"
+    step: Int64
+
+
+@dataclass(frozen=True)
+class Failed(ToClient):
+    """A persist or a stage failed (``slot`` returned), or the whole step cannot commit (``slot`` None)."""
+
+    TYPE: ClassVar[str] = "failed"
+    step: Int64
+    slot: SlotIndex | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class StoredStep(Record):
+    step: Int64
+    nbytes: Int64
+
+
+@dataclass(frozen=True)
+class StepInSlot(Record):
+    step: Int64
+    slot: SlotIndex
+
+
+@dataclass(frozen=True)
+class OtherWorldStep(Record):
+    step: Int64
+    world_size: int
+
+
+@dataclass(frozen=True)
+class Inventory(ToClient):
+    TYPE: ClassVar[str] = "inventory"
+    committed: tuple[StoredStep, ...]
+    memory: tuple[StepInSlot, ...]
+    other_world: tuple[OtherWorldStep, ...]
+
+
+@dataclass(frozen=True)
+class Staged(ToClient):
+    TYPE: ClassVar[str] = "staged"
+    step: Int64
+    slot: SlotIndex
+    generation: Int64
+    nbytes: Int64
+
+
+@dataclass(frozen=True)
+class Error(ToClient):
+    """The sidecar ends the connection for a protocol error (or refuses the peer) and says why."""
+
+    TYPE: ClassVar[str] = "error"
+    reason: str
+
+
+class Direction(enum.Enum):
+    TO_SIDECAR = "client to sidecar"
+    TO_CLIENT = "sidecar to client"
+
+    @property
+    def kinds(self) -> Mapping[str, type[Message]]:
+        """Every message type that travels this way, by its ``type``."""
+        return _KINDS[self]
+
+
+_KINDS: dict[Direction, Mapping[str, type[Message]]] = {
+    Direction.TO_SIDECAR: {kind.TYPE: kind for kind in (Hello, Register, Persist, Query, Stage)},
+    Direction.TO_CLIENT: {
+        kind.TYPE: kind
+        for kind in (Welcome, Registered, Released, Persisted, Committed, Failed, Inventory, Staged, Error)
+    },
+}
+
+
+@overload
+def decode(frame: Mapping[str, Any], direction: Literal[Direction.TO_SIDECAR]) -> ToSidecar: ...
+
+
+@overload
+def decode(frame: Mapping[str, Any], direction: Literal[Direction.TO_CLIENT]) -> ToClient: ...
+
+
+def decode(frame: Mapping[str, Any], direction: Direction) -> Message:
+    """The message a frame's JSON object holds, checked field by field; ``MessageError`` says what is wrong.
+
+    Keys the message type does not have are ignored.
+    """
+    kinds = direction.kinds
+    kind = frame.get("type")
+    if not isinstance(kind, str) or kind not in kinds:
+        raise MessageError(f"unknown message type {kind!r}; expected one of {sorted(kinds)}")
+    cls = kinds[kind]
+    values: dict[str, object] = {}
+    for name, hint in _hints(cls).items():
+        if name not in frame:
+            raise MessageError(f"{kind} message lacks field {name!r}")
+        values[name] = _typed(hint, frame[name], f"{kind}.{name}")
+    return cls(**values)
+
+
+def encode(message: Message) -> dict[str, Any]:
+    """The JSON object of ``message``: ``type`` first, then its fields in their declared order."""
+    return {"type": message.TYPE, **_plain(message)}
+
+
+def _plain(record: Record) -> dict[str, Any]:
+    return {name: _json(getattr(record, name)) for name in _hints(type(record))}
+
+
+def _json(value: object) -> object:
+    if isinstance(value, tuple):
+        return [_json(item) for item in value]
+    if isinstance(value, Record):
+        return _plain(value)
+    return value
+
+
+def _hints(cls: type[Record]) -> dict[str, object]:
+    """Field name -> annotation (constraints included), in declared order: the schema of ``cls``."""
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        hints = typing.get_type_hints(cls, include_extras=True)
+        schema = _SCHEMAS[cls] = {field.name: hints[field.name] for field in dataclasses.fields(cls)}
+    return schema
+
+
+_SCHEMAS: dict[type[Record], dict[str, object]] = {}
+
+
+def _typed(hint: object, value: object, where: str) -> object:
+    """``value`` checked against the annotation ``hint``; JSON lists and objects become tuples and records."""
+    if value.__class__ is bool and hint is not bool:
+        raise MessageError(f"{where} must be {_describe(hint)}, got a boolean")
+    if typing.get_origin(hint) is Annotated:
+        base, *constraints = typing.get_args(hint)
+        checked = _typed(base, value, where)
+        for constraint in constraints:
+            constraint.check(where, checked)
+        return checked
+    if typing.get_origin(hint) in _UNIONS:
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        (base,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        if not _matches(base, value):
+            raise MessageError(f"{where} must be {_describe(hint)}, got {type(value).__name__}")
+        return _typed(base, value, where)
+    if not _matches(hint, value):
+        raise MessageError(f"{where} must be {_describe(hint)}, got {type(value).__name__}")
+    if typing.get_origin(hint) is tuple:
+        item_hint = typing.get_args(hint)[0]
+        assert isinstance(value, list | tuple)
+        return tuple(_typed(item_hint, item, f"{where}[{index}]") for index, item in enumerate(value))
+    if isinstance(hint, type) and issubclass(hint, Record) and isinstance(value, dict):
+        return _record(hint, value, where)
+    return value
+
+
+def _record(cls: type[Record], value: dict[str, Any], where: str) -> Record:
+    fields: dict[str, object] = {}
+    for name, hint in _hints(cls).items():
+        if name not in value:
+            raise MessageError(f"{where} lacks field {name!r}")
+        fields[name] = _typed(hint, value[name], f"{where}.{name}")
+    return cls(**fields)
+
+
+def _matches(hint: object, value: object) -> bool:
+    """Whether ``value`` has the JSON type of ``hint`` (a float field takes an integer too)."""
+    if typing.get_origin(hint) is Annotated:
+        return _matches(typing.get_args(hint)[0], value)
+    if typing.get_origin(hint) is tuple:
+        return isinstance(value, list | tuple)
+    if hint is float:
+        return isinstance(value, int | float)
+    if isinstance(hint, type) and issubclass(hint, Record):
+        return isinstance(value, dict | hint)
+    assert isinstance(hint, type), hint
+    return isinstance(value, hint)
+
+
+def _describe(hint: object) -> str:
+    if typing.get_origin(hint) is Annotated:
+        return _describe(typing.get_args(hint)[0])
+    if typing.get_origin(hint) in _UNIONS:
+        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return "list"
+    if hint is float:
+        return "int or float"
+    if isinstance(hint, type) and issubclass(hint, Record):
+        return "dict"
+    assert isinstance(hint, type), hint
+    return hint.__name__

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
+from stowaway.protocol import messages
 from stowaway.sidecar import persister
 from stowaway.sidecar.commit import Committer
 from stowaway.sidecar.config import SidecarConfig
@@ -30,23 +30,23 @@ class SavePipeline:
         self._limiter = persister.RateLimiter(config.write_rate_limit)
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def start(self, state: RankState, request: dict[str, Any]) -> None:
+    def start(self, state: RankState, request: messages.Persist) -> None:
         """Take ownership of the slot and persist it in the background."""
-        slot, step = request["slot"], request["step"]
+        slot, step = request.slot, request.step
         refusal = self._committer.admit(
-            state.job, request["run"], step, state.rank, state.world_size, state.local_world_size
+            state.job, request.run, step, state.rank, state.world_size, state.local_world_size
         )
         if refusal is not None:
-            state.send({"type": "failed", "step": step, "slot": slot, "reason": refusal})
+            state.send(messages.Failed(step=step, slot=slot, reason=refusal))
             return
         state.busy.add(slot)
-        self._stats.save_reported(request["blocking_seconds"], request["slot_wait_seconds"])
+        self._stats.save_reported(request.blocking_seconds, request.slot_wait_seconds)
         task = asyncio.create_task(self._persist(state, request), name=f"persist {state.job}/{state.rank}/{step}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _persist(self, state: RankState, request: dict[str, Any]) -> None:
-        slot_index, step = request["slot"], request["step"]
+    async def _persist(self, state: RankState, request: messages.Persist) -> None:
+        slot_index, step = request.slot, request.step
         final = layout.step_dir(self._committer.job_path(state.job), step) / layout.rank_file_name(
             state.rank, state.world_size
         )
@@ -54,14 +54,13 @@ class SavePipeline:
             async with self._workers:
                 started = time.monotonic()
                 written = await asyncio.to_thread(
-                    persister.copy_out, state.slots[slot_index], step, request["generation"],
-                    request["nbytes"], final, self._limiter, self._config.direct_io,
-                    lambda: self._committer.abandoned(state.job, request["run"], step),
+                    persister.copy_out, state.slots[slot_index], step, request.generation,
+                    request.nbytes, final, self._limiter, self._config.direct_io,
+                    lambda: self._committer.abandoned(state.job, request.run, step),
                 )
-                state.memory_digests[slot_index] = (request["generation"], step, written.digest)
+                state.memory_digests[slot_index] = (request.generation, step, written.digest)
                 state.busy.discard(slot_index)
-                state.send({"type": "released", "slot": slot_index, "step": step,
-                            "generation": request["generation"]})
+                state.send(messages.Released(slot=slot_index, step=step, generation=request.generation))
                 await asyncio.to_thread(persister.make_durable, written)
                 self._stats.persist_finished(written.nbytes, time.monotonic() - started)
         except persister.StepAbandoned as exc:
@@ -74,7 +73,7 @@ class SavePipeline:
             log.exception("persist of step %d rank %d failed unexpectedly", step, state.rank)
             self._answer_failure(state, slot_index, step, "internal", f"internal error: {exc!r}")
             return
-        state.send({"type": "persisted", "step": step})
+        state.send(messages.Persisted(step=step))
         entry = manifest.FileEntry(state.rank, final.name, written.nbytes, written.digest)
         await self._committer.durable(state.job, step, entry)
 
@@ -87,7 +86,7 @@ class SavePipeline:
         """Give the rank its slot back, unless the persist had already released it."""
         if slot in state.busy:
             state.busy.discard(slot)
-            state.send({"type": "failed", "step": step, "slot": slot, "reason": reason})
+            state.send(messages.Failed(step=step, slot=slot, reason=reason))
 
     async def drain(self, timeout: float) -> bool:
         """Wait for in-flight persists; True when all finished within ``timeout``."""

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from stowaway.protocol import messages
 from stowaway.slots import naming
 from stowaway.slots.shm import SlotFile
 
@@ -33,7 +34,7 @@ class RankState:
     # load() does not hash a slot the persist (or a stage) has just hashed. One entry per slot.
     memory_digests: dict[int, tuple[int, int, str]] = field(default_factory=dict)
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: messages.ToClient) -> None:
         """Deliver to the rank's current connection; a rank that is gone gets nothing."""
         if self.session is not None:
             self.session.send(message)
@@ -59,16 +60,16 @@ class Registry:
         # how long it has trained without one.
         self._connected_since: float | None = None
 
-    def attach(self, session: Session, hello: dict[str, Any]) -> tuple[RankState, Session | None]:
+    def attach(self, session: Session, hello: messages.Hello) -> tuple[RankState, Session | None]:
         """Make ``session`` the rank's connection; return the connection it replaces, if any."""
-        key = (hello["job"], hello["rank"])
+        key = (hello.job, hello.rank)
         state = self._ranks.get(key)
-        if state is None or state.world_size != hello["world_size"]:
+        if state is None or state.world_size != hello.world_size:
             if state is not None and not state.busy:
                 state.close()
-            state = RankState(hello["job"], hello["rank"], hello["world_size"], hello["local_world_size"])
+            state = RankState(hello.job, hello.rank, hello.world_size, hello.local_world_size)
             self._ranks[key] = state
-        state.local_world_size = hello["local_world_size"]
+        state.local_world_size = hello.local_world_size
         previous, state.session = state.session, session
         if self._connected_since is None:
             self._connected_since = time.time()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
+from stowaway.protocol import messages
 from stowaway.sidecar.persister import PersistError
 from stowaway.sidecar.ranks import RankState
 from stowaway.slots import header
@@ -19,7 +19,7 @@ from stowaway.storage import catalog, checksum, direct_io, layout, manifest
 MAX_LISTED_STEPS = 64
 
 
-def inventory(job_path: Path, state: RankState) -> dict[str, Any]:
+def inventory(job_path: Path, state: RankState) -> messages.Inventory:
     """Committed steps with this rank's file size, which of them its slots hold intact, and those saved by
     another number of ranks.
 
@@ -27,26 +27,26 @@ def inventory(job_path: Path, state: RankState) -> dict[str, Any]:
     silently, a job restarted on fewer or more ranks would find nothing to
     restore and train from scratch.
     """
-    committed = []
-    memory = []
-    other_world = []
+    committed: list[messages.StoredStep] = []
+    memory: list[messages.StepInSlot] = []
+    other_world: list[messages.OtherWorldStep] = []
     for step in reversed(catalog.committed_steps(job_path)[-MAX_LISTED_STEPS:]):
         try:
             found = manifest.read_manifest(layout.step_dir(job_path, step))
         except manifest.ManifestError:
             continue
         if found.world_size != state.world_size:
-            other_world.append({"step": step, "world_size": found.world_size})
+            other_world.append(messages.OtherWorldStep(step=step, world_size=found.world_size))
             continue
         try:
             entry = found.file_for(state.rank)
         except manifest.ManifestError:
             continue
-        committed.append({"step": step, "nbytes": entry.bytes})
+        committed.append(messages.StoredStep(step=step, nbytes=entry.bytes))
         slot = _slot_holding(state, step, entry)
         if slot is not None:
-            memory.append({"step": step, "slot": slot})
-    return {"type": "inventory", "committed": committed, "memory": memory, "other_world": other_world}
+            memory.append(messages.StepInSlot(step=step, slot=slot))
+    return messages.Inventory(committed=tuple(committed), memory=tuple(memory), other_world=tuple(other_world))
 
 
 def _slot_holding(state: RankState, step: int, entry: manifest.FileEntry) -> int | None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
-from stowaway.protocol import frames, messages
+from stowaway.protocol import dispatch, frames, messages
 from stowaway.sidecar import restore
 from stowaway.sidecar.persister import PersistError
 from stowaway.sidecar.ranks import RankState
@@ -27,6 +28,10 @@ class SessionClosed(Exception):
     """The connection must end; the message goes to the peer as an error frame."""
 
 
+# Every message a rank may send, and the handler that answers it.
+_HANDLERS: dispatch.Table[Session, Awaitable[None]] = dispatch.Table("the sidecar")
+
+
 class Session:
     def __init__(self, sidecar: Sidecar, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  peer_uid: int) -> None:
@@ -37,13 +42,13 @@ class Session:
         self._state: RankState | None = None
         self.label = "unidentified peer"
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: messages.ToClient) -> None:
         if not self._writer.is_closing():
-            self._writer.write(frames.encode(message))
+            self._writer.write(frames.encode(messages.encode(message)))
 
     def close(self, reason: str) -> None:
         log.warning("closing connection of %s: %s", self.label, reason)
-        self.send({"type": "error", "reason": reason})
+        self.send(messages.Error(reason=reason))
         self._writer.close()
 
     async def run(self) -> None:
@@ -64,43 +69,35 @@ class Session:
                 self._sidecar.registry.detach(self._state, self)
             self._writer.close()
 
-    async def _handle(self, message: dict[str, Any]) -> None:
-        messages.validate(message, messages.CLIENT_MESSAGES)
-        kind = message["type"]
-        if self._state is None:
-            if kind != "hello":
-                raise SessionClosed(f"expected hello as the first message, got {kind}")
-            self._hello(messages.validate_hello(message))
-            return
-        if kind == "hello":
-            raise SessionClosed("hello sent twice on one connection")
-        state = self._state
-        if kind == "register":
-            self._register(state, message["slot"])
-        elif kind == "persist":
-            self._owned_slot(state, message["slot"], "persist")
-            self._sidecar.pipeline.start(state, message)
-        elif kind == "query":
-            committer = self._sidecar.committer
-            await committer.settled(state.job)
-            self.send(await asyncio.to_thread(restore.inventory, committer.job_path(state.job), state))
-        elif kind == "stage":
-            await self._stage(state, message["step"], message["slot"])
+    async def _handle(self, frame: dict[str, object]) -> None:
+        message = messages.decode(frame, messages.Direction.TO_SIDECAR)
+        if self._state is None and not isinstance(message, messages.Hello):
+            raise SessionClosed(f"expected hello as the first message, got {message.TYPE}")
+        await _HANDLERS.handle(self, message)
 
-    def _hello(self, hello: dict[str, Any]) -> None:
+    def _rank(self) -> RankState:
+        """The rank this connection said hello for; every handler but the hello's runs after it."""
+        assert self._state is not None
+        return self._state
+
+    @_HANDLERS.on(messages.Hello)
+    async def _hello(self, hello: messages.Hello) -> None:
+        if self._state is not None:
+            raise SessionClosed("hello sent twice on one connection")
         state, previous = self._sidecar.registry.attach(self, hello)
         self._state = state
-        self.label = f"job {state.job} rank {state.rank} (pid {hello['pid']})"
+        self.label = f"job {state.job} rank {state.rank} (pid {hello.pid})"
         if previous is not None:
             previous.close(f"superseded by a new connection of {self.label}")
         log.info("connected: %s", self.label)
-        self.send({
-            "type": "welcome", "protocol": messages.PROTOCOL_VERSION, "node": self._sidecar.config.node,
-            "busy": sorted(state.busy), "shm_dir": str(self._sidecar.config.shm_dir),
-        })
+        self.send(messages.Welcome(
+            protocol=messages.PROTOCOL_VERSION, node=self._sidecar.config.node, busy=tuple(sorted(state.busy)),
+            shm_dir=str(self._sidecar.config.shm_dir),
+        ))
 
-    def _register(self, state: RankState, index: int) -> None:
-        messages.check_slot_index(index)
+    @_HANDLERS.on(messages.Register)
+    async def _register(self, message: messages.Register) -> None:
+        state, index = self._rank(), message.slot
         if index in state.busy:
             raise SessionClosed(f"register of slot {index} while the sidecar still owns it")
         try:
@@ -111,10 +108,21 @@ class Session:
         if slot.owner_uid != self._peer_uid and self._peer_uid != 0:
             state.slots.pop(index).close()
             raise SessionClosed(f"slot file {slot.path} belongs to uid {slot.owner_uid}, not to the peer")
-        self.send({"type": "registered", "slot": index})
+        self.send(messages.Registered(slot=index))
+
+    @_HANDLERS.on(messages.Persist)
+    async def _persist(self, message: messages.Persist) -> None:
+        state = self._rank()
+        self._owned_slot(state, message.slot, "persist")
+        self._sidecar.pipeline.start(state, message)
+
+    @_HANDLERS.on(messages.Query)
+    async def _query(self, message: messages.Query) -> None:
+        state, committer = self._rank(), self._sidecar.committer
+        await committer.settled(state.job)
+        self.send(await asyncio.to_thread(restore.inventory, committer.job_path(state.job), state))
 
     def _owned_slot(self, state: RankState, index: int, action: str) -> None:
-        messages.check_slot_index(index)
         if index not in state.slots:
             raise SessionClosed(f"{action} names slot {index}, which was never registered")
         if index in state.busy:
@@ -135,7 +143,9 @@ class Session:
                     "its files are kept there for inspection", step, job, target)
         return f"; the step was set aside as {target}, so that it can be saved again"
 
-    async def _stage(self, state: RankState, step: int, index: int) -> None:
+    @_HANDLERS.on(messages.Stage)
+    async def _stage(self, message: messages.Stage) -> None:
+        state, step, index = self._rank(), message.step, message.slot
         self._owned_slot(state, index, "stage")
         state.busy.add(index)
         job_path = self._sidecar.committer.job_path(state.job)
@@ -149,7 +159,7 @@ class Session:
             if exc.kind == "restore_corrupt":
                 reason += await self._set_aside(state.job, step)
             state.busy.discard(index)
-            state.send({"type": "failed", "step": step, "slot": index, "reason": reason})
+            state.send(messages.Failed(step=step, slot=index, reason=reason))
             return
         state.busy.discard(index)
-        state.send({"type": "staged", "step": step, "slot": index, "generation": generation, "nbytes": nbytes})
+        state.send(messages.Staged(step=step, slot=index, generation=generation, nbytes=nbytes))

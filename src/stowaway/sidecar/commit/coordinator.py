@@ -15,6 +15,7 @@ import functools
 import logging
 from pathlib import Path
 
+from stowaway.protocol import messages
 from stowaway.sidecar.commit import admission, gathering, notices, publishing, timing
 from stowaway.sidecar.config import SidecarConfig
 from stowaway.sidecar.ranks import Registry
@@ -135,7 +136,7 @@ class Committer:
         self._stats.failed(kind)
         log.warning("step %d of job %s failed: %s", step, job, reason)
         for rank in sorted(pending.admitted):
-            self._send(job, rank, {"type": "failed", "step": step, "slot": None, "reason": reason})
+            self._send(job, rank, messages.Failed(step=step, slot=None, reason=reason))
         # A failure learnt from another node's notice is not announced again.
         if pending.multi_node and kind != notices.OTHER_NODE_FAILED:
             notice = asyncio.create_task(
@@ -215,9 +216,9 @@ class Committer:
         self._stats.committed(pending.step, seconds, self._clock.wall())
         log.info("committed step %d of job %s in %.3f s", pending.step, pending.job, seconds)
         for rank in sorted(pending.admitted):
-            self._send(pending.job, rank, {"type": "committed", "step": pending.step})
+            self._send(pending.job, rank, messages.Committed(step=pending.step))
 
-    def _send(self, job: str, rank: int, message: dict[str, object]) -> None:
+    def _send(self, job: str, rank: int, message: messages.ToClient) -> None:
         for state in self._registry.job_ranks(job):
             if state.rank == rank:
                 state.send(message)

@@ -1,0 +1,161 @@
+"""This rank's slots as ``save`` and ``load`` use them: taken when free, sized, registered, handed over.
+
+The slot files are the pool's (``pool``), created at the sidecar's first
+welcome, which says where shared memory is; who holds each slot is the
+ledger's (``ledger``), and every change of holder goes through it. A slot
+taken here is back in the ledger as idle when the caller does not hand it
+over, whatever went wrong while it was being written.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from stowaway.client.ledger import SlotLedger, SlotState
+from stowaway.client.link import Link
+from stowaway.client.pool import ClientSlot, SlotPool
+from stowaway.client.spare_slots import SpareSlots
+from stowaway.errors import SlotWaitTimeout
+from stowaway.format import codec
+from stowaway.protocol import messages
+from stowaway.slots import header
+
+
+class RankSlots:
+    def __init__(self, job: str, rank: int, count: int, local_world_size: int, link: Link, ledger: SlotLedger,
+                 lock: threading.Condition) -> None:
+        self._job, self._rank, self._count, self._local_world_size = job, rank, count, local_world_size
+        self._link = link
+        self._ledger = ledger
+        self._lock = lock
+        self._pool: SlotPool | None = None
+        self._spares: SpareSlots | None = None
+
+    @property
+    def pool(self) -> SlotPool:
+        """The slot files; there from the first welcome, which ``Checkpointer`` waits for before returning."""
+        with self._lock:
+            assert self._pool is not None
+            return self._pool
+
+    def welcomed(self, welcome: messages.Welcome) -> None:
+        """A (new) connection: the sidecar has no slot open on it, and says which it still holds (lock held)."""
+        if self._pool is None:
+            self._pool = SlotPool(Path(welcome.shm_dir), self._job, self._rank, self._count, self._local_world_size)
+            self._pool.adopt_existing()
+            self._spares = SpareSlots(self._pool, self._ledger)
+        for slot in self._pool.slots:
+            slot.registered = False
+        self._ledger.welcomed(set(welcome.busy))
+
+    @contextmanager
+    def taken(self, step: int) -> Iterator[ClientSlot]:
+        """The largest idle slot, for writing ``step``: waits (bounded) for one; idle again unless handed over."""
+        slot = self._take(step)
+        try:
+            yield slot
+        finally:
+            with self._lock:
+                if self._ledger.state(slot.index) is SlotState.WRITING:
+                    self._ledger.abandon(slot.index)
+
+    def write(self, slot: ClientSlot, step: int, encoded: codec.Encoded) -> int:
+        """Copy ``encoded`` into the taken ``slot`` as ``step``, published in its header; return its generation."""
+        self.fit(slot, encoded.nbytes)
+        assert slot.file is not None
+        if encoded.cuda_devices:
+            slot.pin()
+        generation = slot.next_generation()
+        header.begin_write(slot.file.header_view, generation)
+        codec.write_into(encoded, slot.payload(), slot.views_for(encoded.layout))
+        header.finish_write(slot.file.header_view, step, generation, encoded.nbytes)
+        return generation
+
+    def fit(self, slot: ClientSlot, nbytes: int) -> None:
+        """Make the taken ``slot`` hold ``nbytes`` and have the sidecar open it."""
+        self.pool.ensure_capacity(slot, nbytes)
+        self.register(slot)
+
+    def register(self, slot: ClientSlot) -> None:
+        if slot.registered:
+            return
+        self._link.request(("register", slot.index), messages.Register(slot=slot.index, capacity=slot.capacity))
+        with self._lock:
+            slot.registered = True
+
+    def register_idle(self) -> None:
+        """Have the sidecar open every idle slot with a file, so that it can tell which steps they hold."""
+        pool = self.pool
+        for index in self._ledger.idle():
+            if pool.slots[index].file is not None:
+                self.register(pool.slots[index])
+
+    def persist(self, slot: ClientSlot, request: messages.Persist) -> bool:
+        """Hand the taken ``slot`` to the sidecar to persist (lock held); False when the connection is down."""
+        if not (self._link.connected and slot.registered and self._link.send(request)):
+            return False
+        self._ledger.persisting(slot.index, request.step, request.generation)
+        assert self._spares is not None
+        self._spares.prepare(slot.capacity)
+        return True
+
+    def stage(self, slot: ClientSlot, step: int) -> messages.ToClient:
+        """Hand the taken ``slot`` to the sidecar to fill with ``step`` from storage; its ``staged`` or ``failed``."""
+        with self._lock:
+            self._ledger.staging(slot.index, step)
+        return self._link.request(("stage", slot.index), messages.Stage(step=step, slot=slot.index))
+
+    def reserve(self, nbytes: int, wait: bool) -> None:
+        """Allocate every slot for ``nbytes`` in the background; raise at once when shared memory is too small."""
+        spares = self._require_spares()
+        # A preparation a save started may still run, and a second cannot start alongside it.
+        spares.join(self._link.timeout)
+        with self._lock:
+            self.pool.check_room(nbytes)
+            spares.prepare(nbytes, every=True)
+        if wait:
+            spares.join(self._link.timeout)
+
+    def join_spares(self) -> None:
+        """Wait (bounded) for the background allocation, which may be growing a slot a load is about to read."""
+        self._require_spares().join(self._link.timeout)
+
+    def in_flight(self) -> int:
+        return len(self._ledger.held_by_sidecar())
+
+    def close(self) -> None:
+        if self._spares is not None:
+            self._spares.join(self._link.timeout)
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+
+    def _take(self, step: int) -> ClientSlot:
+        def largest_idle() -> ClientSlot | None:
+            if not self._link.connected or self._pool is None:
+                return None
+            idle = [self._pool.slots[index] for index in self._ledger.idle()]
+            return max(idle, key=lambda slot: slot.capacity) if idle else None
+
+        def describe() -> str:
+            flights = [owned.step for owned in self._ledger.held_by_sidecar()]
+            held = (f"all {len(flights)} slots in flight" if len(flights) == self._count else
+                    f"{len(flights)} of {self._count} slots in flight, the others still being allocated")
+            return (f"a free slot for step {step} ({held}, steps {flights}): the sidecar persists slower than "
+                    "this rank saves; save less often, add slots, or check storage throughput")
+
+        self._link.wait_until(lambda: largest_idle() is not None, describe, SlotWaitTimeout)
+        with self._lock:
+            slot = largest_idle()
+            assert slot is not None, "only this thread takes slots"
+            self._ledger.take(slot.index)
+            return slot
+
+    def _require_spares(self) -> SpareSlots:
+        with self._lock:
+            assert self._spares is not None
+            return self._spares
+

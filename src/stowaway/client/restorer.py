@@ -1,0 +1,161 @@
+"""``load()``: the newest step every rank can restore, from this rank's slot or through the sidecar from storage.
+
+In order: ask the sidecar which committed steps exist and which a slot of
+this rank still holds intact (``inventory``); agree with the other ranks on
+the candidates (``agreement``), refusing a step saved by another number of
+ranks; then try the candidates newest first, each from memory if a slot
+holds it, else staged from storage into a slot by the sidecar, and fall back
+to the next older one, on every rank alike, when any rank fails to restore it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from stowaway.client import agreement, env
+from stowaway.client.link import Link
+from stowaway.client.pool import ClientSlot
+from stowaway.client.rank_slots import RankSlots
+from stowaway.errors import (
+    ConfigurationError,
+    SaveFailed,
+    SidecarUnavailable,
+    StowawayError,
+    UnsupportedState,
+    WorldSizeChanged,
+)
+from stowaway.format import codec, dtensors
+from stowaway.format.safetensors_header import HeaderError
+from stowaway.protocol import messages
+from stowaway.slots import header
+
+log = logging.getLogger("stowaway")
+
+
+class Restorer:
+    def __init__(self, job: str, rank: int, world_size: int, local_world_size: int, allow_pickle: bool,
+                 run: env.RunId, link: Link, slots: RankSlots) -> None:
+        self._job, self._rank = job, rank
+        self._world_size, self._local_world_size = world_size, local_world_size
+        self._allow_pickle = allow_pickle
+        self._run = run
+        self._link = link
+        self._slots = slots
+
+    def load(self, step: int | None, map_location: Any, device_mesh: Any, into: Any) -> tuple[int, Any] | None:
+        meshes = dtensors.given_meshes(device_mesh)
+        if self._world_size > self._local_world_size and not agreement.active(self._world_size):
+            # Each node's sidecar answers alone, and a commit landing between two nodes' questions (as
+            # happens on a restart, while the last incarnation's steps still commit) would split the job.
+            raise ConfigurationError(
+                f"rank {self._rank}: load() in a job spanning several nodes ({self._world_size} ranks, "
+                f"{self._local_world_size} on this node) needs a torch.distributed process group of all "
+                f"{self._world_size} ranks, through which the ranks agree on the step to restore: call "
+                "torch.distributed.init_process_group() before load()"
+            )
+        self._link.wait_until(lambda: self._link.connected, "a connection to the sidecar", SidecarUnavailable)
+        # The allocator may be growing a slot that holds the step this load reads.
+        self._slots.join_spares()
+        self._slots.register_idle()
+        inventory = self._link.request(("query", 0), messages.Query())
+        assert isinstance(inventory, messages.Inventory)
+        sizes = {item.step: item.nbytes for item in inventory.committed}
+        in_memory = {item.step: item.slot for item in inventory.memory}
+        wanted = [found for found in sizes if step is None or found == step]
+        other_world = {item.step: item.world_size for item in inventory.other_world}
+        agreed_run, candidates, other_world = agreement.candidates(self._run.current(), wanted, other_world,
+                                                                   self._world_size)
+        self._run.agree(agreed_run)
+        self._refuse_other_world(step, candidates, other_world)
+        problems = []
+        for candidate in candidates:
+            error, refused, state, source = None, None, None, "memory"
+            try:
+                slot = self._slots.pool.slots[in_memory[candidate]] if candidate in in_memory else None
+                if slot is not None and _header_holding(slot, candidate) is not None:
+                    state = self._read_slot(slot, candidate, map_location, meshes, into)
+                else:
+                    # Also when the slot held it at the inventory but a newer candidate was staged into it since.
+                    source = "storage"
+                    state = self._from_storage(candidate, sizes[candidate], map_location, meshes, into)
+            except UnsupportedState as exc:
+                refused = str(exc)
+            except (StowawayError, HeaderError) as exc:
+                error = str(exc)
+            refusals, failures = agreement.restore_outcomes(refused, error, self._rank, self._world_size)
+            # An older step would be refused for the same reason: every rank raises it instead.
+            for rank, reason in refusals:
+                raise UnsupportedState(f"rank {rank}: {reason}")
+            if not failures:
+                log.info("rank %d restored step %d from %s", self._rank, candidate, source)
+                return candidate, state
+            for rank, reason in failures:
+                problems.append(f"step {candidate} rank {rank}: {reason}")
+                log.warning("step %d cannot be restored on rank %d (%s); trying the next older committed "
+                            "checkpoint", candidate, rank, reason)
+        if step is not None:
+            detail = "; ".join(problems) or "it is not committed in storage"
+            raise SaveFailed(f"rank {self._rank}: step {step} of job {self._job} cannot be restored: {detail}")
+        if into is not None and problems:
+            # None would mean "start from scratch", with tensors that some step may already have been copied into.
+            raise SaveFailed(
+                f"rank {self._rank}: no committed step of job {self._job} can be restored ({'; '.join(problems)}), "
+                "and load(into=...) may have written one of them into the given tensors on some ranks before "
+                "that was known; re-initialise them before training from scratch"
+            )
+        return None
+
+    def _refuse_other_world(self, step: int | None, candidates: list[int], other_world: dict[int, int]) -> None:
+        """Refuse ``step``, or a newest committed step, saved by another number of ranks.
+
+        Each rank's file holds that rank's own state, so such a step cannot be
+        restored here; skipping it would return an older step, or None, and
+        the job would silently train again from there.
+        """
+        newest_here = candidates[0] if candidates else -1
+        refused = [found for found in other_world if found == step or (step is None and found > newest_here)]
+        if not refused:
+            return
+        found = max(refused)
+        saved_by = other_world[found]
+        older = (f"pass step={newest_here} to load() to resume from the newest step saved by {self._world_size} "
+                 "ranks; " if step is None and candidates else "")
+        raise WorldSizeChanged(
+            f"rank {self._rank}: step {found} of job {self._job} was saved by {saved_by} ranks and this job has "
+            f"{self._world_size}; a step is restored only on as many ranks as saved it, as each rank's file holds "
+            f"its own share of the state. Run the job on {saved_by} ranks; or read the step with "
+            "stowaway.read_checkpoint() where the storage is mounted (it gathers DTensors whole) and load it into "
+            f"the model yourself; {older}or give the job another name (STOWAWAY_JOB) to start afresh"
+        )
+
+    def _from_storage(self, step: int, nbytes: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> Any:
+        """Have the sidecar stage the stored file into a slot, then restore from the slot."""
+        with self._slots.taken(step) as slot:
+            self._slots.fit(slot, nbytes)
+            answer = self._slots.stage(slot, step)
+        if isinstance(answer, messages.Failed):
+            raise SaveFailed(answer.reason)
+        assert isinstance(answer, messages.Staged)
+        slot.generation = max(slot.generation, answer.generation)
+        return self._read_slot(slot, step, map_location, meshes, into)
+
+    def _read_slot(self, slot: ClientSlot, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> Any:
+        before = _header_holding(slot, step)
+        if before is None:
+            raise SaveFailed(f"slot {slot.index} no longer holds step {step}")
+        assert slot.file is not None
+        slot.drop_view()
+        state = codec.read_from(slot.payload(), before.payload_nbytes, map_location, self._allow_pickle, meshes, into)
+        if slot.file.read_header().generation != before.generation:
+            raise SaveFailed(f"slot {slot.index} changed while step {step} was read from it")
+        return state
+
+
+def _header_holding(slot: ClientSlot, step: int) -> header.SlotHeader | None:
+    """The slot's header if the slot holds ``step`` whole, else None."""
+    if slot.file is None:
+        return None
+    slot.file.refresh()
+    found = slot.file.read_header()
+    return found if found.complete and found.step == step else None
