@@ -70,7 +70,7 @@ def _gathered(step_path: Path, found: manifest.Manifest, rank: int, tree: dict[s
               views: dict[str, torch.Tensor], map_location: Any,
               destinations: in_place.Destinations | None) -> full_tensors.Gatherer:
     """Every DTensor whole, from every rank's file (``rank``'s is parsed already), into ``destinations`` where given."""
-    gatherer = full_tensors.Gatherer(torch.device(map_location), destinations and destinations.wholes)
+    gatherer = full_tensors.Gatherer(torch.device(map_location), None if destinations is None else destinations.wholes)
     try:
         for entry in found.files:
             gatherer.add(entry.rank, *((tree, views) if entry.rank == rank else _parsed(step_path, entry)))

@@ -402,7 +402,7 @@ def _adopt_own_shm(pod_spec: Mapping[str, Any], slots_limit: str) -> tuple[Mappi
 
 def _quantity(text: str) -> Decimal:
     """A Kubernetes quantity ("8Gi") as a number."""
-    value: Decimal = parse_quantity(text)  # type: ignore[no-untyped-call]  # kubernetes.utils has no annotations
+    value: Decimal = parse_quantity(text)
     return value
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 MAX_FRAME_BYTES = 64 * 1024
 _LENGTH = struct.Struct(">I")
@@ -62,7 +62,7 @@ class FrameDecoder:
 
     def _parse(self, payload: bytes) -> dict[str, Any]:
         try:
-            message = json.loads(payload.decode("utf-8"), parse_constant=_refuse_constant)
+            message: object = json.loads(payload.decode("utf-8"), parse_constant=_refuse_constant)
         except (ValueError, RecursionError) as exc:
             # ValueError covers bad UTF-8, bad JSON, NaN/Infinity, and integers longer than Python's
             # 4300-digit conversion limit, which json raises as a plain ValueError.
@@ -71,7 +71,7 @@ class FrameDecoder:
             self._fail(f"frame holds a JSON {type(message).__name__}, expected an object")
         return message
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str) -> NoReturn:
         self._broken = FrameError(reason)
         raise self._broken
 
