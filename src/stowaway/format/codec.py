@@ -12,19 +12,12 @@ from typing import Any
 
 import torch
 
-from stowaway.format import dtensors, in_place
+from stowaway.format import dtensors, dtypes, in_place, nodes
 from stowaway.format import safetensors_header as st
 from stowaway.format import template as template_mod
 from stowaway.format import tree as tree_mod
-from stowaway.format.shards import TREE_METADATA_KEY
 
-_TO_SAFETENSORS = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
-_FROM_SAFETENSORS = {name: dtype for dtype, name in _TO_SAFETENSORS.items()}
+_FROM_SAFETENSORS = {name: dtype for dtype, name in tree_mod.SAFETENSORS_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -45,8 +38,8 @@ class Encoder:
 
     A training state keeps its structure from one save to the next; only
     scalars such as step counters change. Flattening, planning and
-    serializing a thousand tensors cost milliseconds of Python, which
-    ``save`` would otherwise block on every time: the layout plan is kept
+    serializing cost Python time for every tensor, which ``save`` would
+    otherwise block on every time: the layout plan is kept
     while names, dtypes and shapes stay the same, and the tree while the
     whole structure does (``format.template``).
     """
@@ -73,7 +66,7 @@ class Encoder:
         else:
             escaped_tree, sources = self._encode_afresh(state, walked, allow_pickle)
         assert self._plan is not None
-        metadata_json = '{"format":"pt","' + TREE_METADATA_KEY + '":"' + escaped_tree + '"}'
+        metadata_json = '{"format":"pt","' + nodes.METADATA_KEY + '":"' + escaped_tree + '"}'
         return Encoded(self._plan.layout(metadata_json), sources, self._cuda_devices)
 
     def _encode_afresh(self, state: Any, walked: template_mod.Walk | None,
@@ -82,7 +75,8 @@ class Encoder:
         # Compared element by element in C: names, dtypes, torch.Size and devices are all built-in comparisons.
         signature = [(name, tensor.dtype, tensor.shape, tensor.device) for name, tensor in flat.tensors.items()]
         if self._plan is None or signature != self._signature:
-            specs = [st.TensorSpec(name, _TO_SAFETENSORS[dtype], tuple(shape)) for name, dtype, shape, _ in signature]
+            specs = [st.TensorSpec(name, tree_mod.SAFETENSORS_NAMES[dtype], tuple(shape))
+                     for name, dtype, shape, _ in signature]
             self._signature, self._plan = signature, st.plan(specs)
             self._cuda_devices = frozenset(device for *_, device in signature if device.type == "cuda")
         # The tree is built by flatten() and has no cycles, so the encoder need not look for any.
@@ -174,10 +168,10 @@ class _CopiedOnDemand(dict[str, torch.Tensor]):
 
 def parsed(payload: torch.Tensor, nbytes: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A payload's state tree, and a view of the payload for each of its tensors by name."""
-    raw = memoryview(payload.numpy())
+    raw = payload.numpy().data
     layout, metadata = st.parse(raw, nbytes)
     try:
-        tree = json.loads(metadata[TREE_METADATA_KEY])
+        tree = json.loads(metadata[nodes.METADATA_KEY])
     except (KeyError, json.JSONDecodeError) as exc:
         raise st.HeaderError(f"payload carries no Stowaway state tree: {exc}") from exc
     views = _views(payload, layout, layout.tensors)
@@ -188,8 +182,8 @@ def _views(payload: torch.Tensor, layout: st.Layout, items: list[st.Placed]) -> 
     """Typed views of ``payload`` for ``items``, one ``as_strided`` each.
 
     Slicing, then viewing as the dtype, then as the shape costs three tensor
-    constructions per tensor, which a state of thousands of tensors pays in
-    milliseconds on every save and restore. Every offset is a multiple of its
+    constructions per tensor, which a state of thousands of tensors pays on
+    every save and restore. Every offset is a multiple of its
     element size (``plan`` places larger elements first); a header read back
     that breaks this is refused here.
     """
@@ -200,7 +194,7 @@ def _views(payload: torch.Tensor, layout: st.Layout, items: list[st.Placed]) -> 
     data_start = layout.data_start
     for item in items:
         spec = item.spec
-        size = st.ELEMENT_BYTES[spec.dtype]
+        size = dtypes.ELEMENT_BYTES[spec.dtype]
         whole = typed.get(spec.dtype)
         if whole is None:
             whole = typed[spec.dtype] = payload[: payload.numel() // size * size].view(_FROM_SAFETENSORS[spec.dtype])

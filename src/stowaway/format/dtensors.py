@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from stowaway.errors import UnsupportedState
+from stowaway.format import nodes
 
 
 def dtensor_type() -> type | None:
@@ -76,7 +77,8 @@ def split(value: Any) -> tuple[torch.Tensor, tuple[Any, ...]]:
     """A DTensor's local shard, and everything else its tree node holds (what ``format.template`` compares).
 
     Called with autograd off (``Encoder.encode``): ``to_local`` is then an
-    attribute read instead of an autograd function of 8 µs.
+    attribute read instead of a call through an autograd function, paid for
+    every DTensor on every save.
     """
     is_parameter = isinstance(value, torch.nn.Parameter)
     placements = value.placements
@@ -100,7 +102,7 @@ def _in_default_order(value: Any, placements: tuple[Any, ...]) -> bool:
     return order is None or default is None or order == default(tuple(placements))
 
 
-def encode(facts: tuple[Any, ...], local_node: dict[str, Any], shown_path: str, meshes: MeshTable) -> dict[str, Any]:
+def encode(facts: tuple[Any, ...], local_node: nodes.Node, shown_path: str, meshes: MeshTable) -> nodes.Node:
     """The tree node of a DTensor: its local shard's node and how to rebuild the DTensor from it."""
     placements, shape, stride, mesh, is_parameter, requires_grad, default_order = facts
     if not default_order:
@@ -109,19 +111,19 @@ def encode(facts: tuple[Any, ...], local_node: dict[str, Any], shown_path: str, 
             "order other than theirs, which DTensor.from_local cannot rebuild; redistribute it first, or store "
             "its full_tensor()"
         )
-    node: dict[str, Any] = {
-        "D": local_node,
-        "pl": [_encode_placement(placement, shown_path) for placement in placements],
-        "sh": list(shape),
-        "st": list(stride),
-        "m": meshes.index(mesh),
+    node: nodes.Node = {
+        nodes.DTENSOR: local_node,
+        nodes.DTENSOR_PLACEMENTS: [_encode_placement(placement, shown_path) for placement in placements],
+        nodes.DTENSOR_SHAPE: list(shape),
+        nodes.DTENSOR_STRIDE: list(stride),
+        nodes.DTENSOR_MESH: meshes.index(mesh),
     }
     if is_parameter:
-        node["P"] = int(requires_grad)
+        node[nodes.DTENSOR_PARAMETER] = int(requires_grad)
     return node
 
 
-def layout_mismatch(node: dict[str, Any], value: Any, saved_meshes: list[dict[str, Any]]) -> str | None:
+def layout_mismatch(node: nodes.Node, value: Any, saved_meshes: list[dict[str, Any]]) -> str | None:
     """Why the DTensor stored as ``node`` cannot be loaded into the caller's DTensor ``value``; None if it can.
 
     Each rank's file holds its own shard only, so the two must be laid out
@@ -132,31 +134,34 @@ def layout_mismatch(node: dict[str, Any], value: Any, saved_meshes: list[dict[st
     except UnsupportedState:
         placements = None
     ranks = value.device_mesh.mesh.tolist()
-    saved_ranks = saved_meshes[node["m"]]["ranks"]
-    if placements == node["pl"] and list(value.shape) == node["sh"] and ranks == saved_ranks:
+    saved_ranks = saved_meshes[node[nodes.DTENSOR_MESH]][nodes.MESH_RANKS]
+    saved_shape = node[nodes.DTENSOR_SHAPE]
+    if placements == node[nodes.DTENSOR_PLACEMENTS] and list(value.shape) == saved_shape and ranks == saved_ranks:
         return None
-    saved_placements = tuple(_decode_placement(item) for item in node["pl"])
+    saved_placements = tuple(_decode_placement(item) for item in node[nodes.DTENSOR_PLACEMENTS])
     return (f"a DTensor of shape {list(value.shape)} placed {tuple(value.placements)} over ranks {ranks}, where "
-            f"the checkpoint holds one of shape {node['sh']} placed {saved_placements} over ranks {saved_ranks}")
+            f"the checkpoint holds one of shape {saved_shape} placed {saved_placements} over ranks {saved_ranks}")
 
 
 class Rebuilder:
     """Rebuilds a load's DTensors on the caller's meshes, each mesh matched to a saved one once."""
 
     def __init__(self, tree: dict[str, Any], given: tuple[Any, ...]) -> None:
-        self._saved = tree.get("meshes", [])
+        self._saved = tree.get(nodes.TREE_MESHES, [])
         self._given = given
         self._matched: dict[int, Any] = {}
 
-    def rebuild(self, node: dict[str, Any], local: torch.Tensor) -> Any:
+    def rebuild(self, node: nodes.Node, local: torch.Tensor) -> Any:
         from torch.distributed.tensor import DTensor
 
         dtensor = DTensor.from_local(
-            local, self._mesh(node["m"], node["D"]["T"]), [_decode_placement(item) for item in node["pl"]],
-            run_check=False, shape=torch.Size(node["sh"]), stride=tuple(node["st"]),
+            local, self._mesh(node[nodes.DTENSOR_MESH], node[nodes.DTENSOR][nodes.TENSOR]),
+            [_decode_placement(item) for item in node[nodes.DTENSOR_PLACEMENTS]],
+            run_check=False, shape=torch.Size(node[nodes.DTENSOR_SHAPE]),
+            stride=tuple(node[nodes.DTENSOR_STRIDE]),
         )
-        if "P" in node:
-            return torch.nn.Parameter(dtensor, requires_grad=bool(node["P"]))
+        if nodes.DTENSOR_PARAMETER in node:
+            return torch.nn.Parameter(dtensor, requires_grad=bool(node[nodes.DTENSOR_PARAMETER]))
         return dtensor
 
     def _mesh(self, index: int, name: str) -> Any:
@@ -164,16 +169,17 @@ class Rebuilder:
         if mesh is not None:
             return mesh
         saved = self._saved[index]
-        same_layout = [mesh for mesh in self._given if mesh.mesh.tolist() == saved["ranks"]]
-        same_names = [mesh for mesh in same_layout if _names(mesh) == saved["names"]]
+        same_layout = [mesh for mesh in self._given if mesh.mesh.tolist() == saved[nodes.MESH_RANKS]]
+        same_names = [mesh for mesh in same_layout if _names(mesh) == saved[nodes.MESH_NAMES]]
         if not same_layout:
             raise UnsupportedState(self._no_match(saved, name))
         mesh = self._matched[index] = (same_names or same_layout)[0]
         return mesh
 
     def _no_match(self, saved: dict[str, Any], name: str) -> str:
-        where = f"a {saved['device']} device mesh over ranks {saved['ranks']}" + (
-            f" named {tuple(saved['names'])}" if saved["names"] else ""
+        names = saved[nodes.MESH_NAMES]
+        where = f"a {saved[nodes.MESH_DEVICE]} device mesh over ranks {saved[nodes.MESH_RANKS]}" + (
+            f" named {tuple(names)}" if names else ""
         )
         if not self._given:
             return (
@@ -196,7 +202,8 @@ def _placement_kinds() -> Any:
 
 
 def _describe(mesh: Any) -> dict[str, Any]:
-    return {"ranks": mesh.mesh.tolist(), "names": _names(mesh), "device": mesh.device_type}
+    return {nodes.MESH_RANKS: mesh.mesh.tolist(), nodes.MESH_NAMES: _names(mesh),
+            nodes.MESH_DEVICE: mesh.device_type}
 
 
 def _names(mesh: Any) -> list[str] | None:
@@ -207,13 +214,13 @@ def _encode_placement(placement: Any, shown_path: str) -> dict[str, Any]:
     kinds = _placement_kinds()
     kind = type(placement)
     if kind is kinds.Shard:
-        return {"s": placement.dim}
+        return {nodes.PLACEMENT_SHARD: placement.dim}
     if kind is kinds._StridedShard:
-        return {"s": placement.dim, "sf": placement.split_factor}
+        return {nodes.PLACEMENT_SHARD: placement.dim, nodes.PLACEMENT_SPLIT_FACTOR: placement.split_factor}
     if kind is kinds.Replicate:
-        return {"r": 1}
+        return {nodes.PLACEMENT_REPLICATE: 1}
     if kind is kinds.Partial:
-        return {"p": placement.reduce_op}
+        return {nodes.PLACEMENT_PARTIAL: placement.reduce_op}
     raise UnsupportedState(
         f"DTensor at {shown_path} has placement {placement!r}, which Stowaway cannot store: it stores Shard, "
         "Replicate and Partial; redistribute it to one of those, or store its full_tensor()"
@@ -222,12 +229,12 @@ def _encode_placement(placement: Any, shown_path: str) -> dict[str, Any]:
 
 def _decode_placement(encoded: dict[str, Any]) -> Any:
     kinds = _placement_kinds()
-    if "sf" in encoded:
-        return kinds._StridedShard(encoded["s"], split_factor=encoded["sf"])
-    if "s" in encoded:
-        return kinds.Shard(encoded["s"])
-    if "r" in encoded:
+    if nodes.PLACEMENT_SPLIT_FACTOR in encoded:
+        return kinds._StridedShard(encoded[nodes.PLACEMENT_SHARD], split_factor=encoded[nodes.PLACEMENT_SPLIT_FACTOR])
+    if nodes.PLACEMENT_SHARD in encoded:
+        return kinds.Shard(encoded[nodes.PLACEMENT_SHARD])
+    if nodes.PLACEMENT_REPLICATE in encoded:
         return kinds.Replicate()
-    if "p" in encoded:
-        return kinds.Partial(encoded["p"])
+    if nodes.PLACEMENT_PARTIAL in encoded:
+        return kinds.Partial(encoded[nodes.PLACEMENT_PARTIAL])
     raise UnsupportedState(f"state tree holds an unknown DTensor placement {sorted(encoded)}")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from stowaway.errors import UnsupportedState
-from stowaway.format.shards import dtensor_nodes
+from stowaway.format import nodes, shards
 
 
 def mesh_position(mesh_ranks: Any, rank: int) -> tuple[tuple[int, ...], list[int]] | None:
@@ -39,14 +39,15 @@ def shard_indices(global_shape: list[int], mesh_shape: tuple[int, ...], coordina
     """
     indices = [np.arange(size) for size in global_shape]
     for mesh_dim, placement in enumerate(placements):
-        if "r" in placement:
+        if nodes.PLACEMENT_REPLICATE in placement:
             continue
-        if "s" not in placement:
+        if nodes.PLACEMENT_SHARD not in placement:
             raise _not_gatherable(placement)
-        dim = placement["s"] % len(global_shape)
+        dim = placement[nodes.PLACEMENT_SHARD] % len(global_shape)
         parts, index = mesh_shape[mesh_dim], coordinate[mesh_dim]
-        if "sf" in placement:
-            pieces = [_piece(indices[dim], placement["sf"], cut) for cut in range(placement["sf"])]
+        if nodes.PLACEMENT_SPLIT_FACTOR in placement:
+            split_factor = placement[nodes.PLACEMENT_SPLIT_FACTOR]
+            pieces = [_piece(indices[dim], split_factor, cut) for cut in range(split_factor)]
             indices[dim] = np.concatenate([_piece(piece, parts, index) for piece in pieces])
         else:
             indices[dim] = _piece(indices[dim], parts, index)
@@ -55,9 +56,9 @@ def shard_indices(global_shape: list[int], mesh_shape: tuple[int, ...], coordina
 
 def check_gatherable(tree: dict[str, Any]) -> None:
     """Refuse a state holding a DTensor that cannot be gathered whole, before any file is read or tensor written."""
-    for node in dtensor_nodes(tree["root"]):
-        for placement in node["pl"]:
-            if "r" not in placement and "s" not in placement:
+    for node in shards.dtensor_nodes(tree[nodes.TREE_ROOT]):
+        for placement in node[nodes.DTENSOR_PLACEMENTS]:
+            if nodes.PLACEMENT_REPLICATE not in placement and nodes.PLACEMENT_SHARD not in placement:
                 raise _not_gatherable(placement)
 
 
@@ -103,25 +104,27 @@ class Gatherer:
 
     def add(self, rank: int, tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Place ``rank``'s shards: ``tree`` and ``tensors`` are its file's, as ``codec.parsed`` returns them."""
-        meshes = tree.get("meshes", [])
-        positions = {index: mesh_position(mesh["ranks"], rank) for index, mesh in enumerate(meshes)}
-        for node in dtensor_nodes(tree["root"]):
-            name = node["D"]["T"]
-            position = positions[node["m"]]
+        meshes = tree.get(nodes.TREE_MESHES, [])
+        positions = {index: mesh_position(mesh[nodes.MESH_RANKS], rank) for index, mesh in enumerate(meshes)}
+        for node in shards.dtensor_nodes(tree[nodes.TREE_ROOT]):
+            name = node[nodes.DTENSOR][nodes.TENSOR]
+            mesh_index = node[nodes.DTENSOR_MESH]
+            position = positions[mesh_index]
             if name not in self._awaited:
-                self._awaited[name] = _ranks_of(meshes[node["m"]])
+                self._awaited[name] = _ranks_of(meshes[mesh_index])
             if position is None or rank not in self._awaited[name]:
                 continue
+            global_shape, placements = node[nodes.DTENSOR_SHAPE], node[nodes.DTENSOR_PLACEMENTS]
             shard = tensors[name]
             whole = self._whole.get(name)
             if whole is None:
-                whole = self._whole[name] = torch.empty(node["sh"], dtype=shard.dtype, device=self._device)
-            indices = shard_indices(node["sh"], *position, node["pl"])
+                whole = self._whole[name] = torch.empty(global_shape, dtype=shard.dtype, device=self._device)
+            indices = shard_indices(global_shape, *position, placements)
             expected = [len(ix) for ix in indices]
             if list(shard.shape) != expected:
                 raise UnsupportedState(
                     f"rank {rank}'s shard of the DTensor stored as {name!r} has shape {list(shard.shape)}, but "
-                    f"placements {node['pl']} of a {list(node['sh'])} tensor give it {expected}; load the "
+                    f"placements {placements} of a {list(global_shape)} tensor give it {expected}; load the "
                     "checkpoint in the job's layout with load(device_mesh=...) and call full_tensor() instead"
                 )
             # A caller's Parameter that requires grad refuses an in-place write that autograd would record.
@@ -145,11 +148,13 @@ class Gatherer:
                     if destination is not self._whole[name]:
                         destination.copy_(self._whole[name])
 
-    def rebuild(self, node: dict[str, Any], local: torch.Tensor) -> Any:
-        whole = self._whole[node["D"]["T"]]
+    def rebuild(self, node: nodes.Node, local: torch.Tensor) -> Any:
+        whole = self._whole[node[nodes.DTENSOR][nodes.TENSOR]]
         # Called once per stored DTensor: tree.unflatten hands a tie the object it built the first time.
-        return torch.nn.Parameter(whole, requires_grad=bool(node["P"])) if "P" in node else whole
+        if nodes.DTENSOR_PARAMETER in node:
+            return torch.nn.Parameter(whole, requires_grad=bool(node[nodes.DTENSOR_PARAMETER]))
+        return whole
 
 
 def _ranks_of(mesh: dict[str, Any]) -> set[int]:
-    return set(np.array(mesh["ranks"]).reshape(-1).tolist())
+    return set(np.array(mesh[nodes.MESH_RANKS]).reshape(-1).tolist())

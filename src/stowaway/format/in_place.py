@@ -28,18 +28,23 @@ from typing import Any
 import torch
 
 from stowaway.errors import UnsupportedState
-from stowaway.format import dtensors
+from stowaway.format import dtensors, nodes
 from stowaway.format import tree as tree_mod
 
 _PROBLEMS_SHOWN = 5
-_KINDS = {"T": "a tensor", "D": "a DTensor", "N": "a numpy array", "d": "a dict", "l": "a list", "t": "a tuple",
-          "pk": "a pickled object", "S": "a torch.Size", "dt": "a dtype"}
+# What the checkpoint holds where ``into`` has something else, by node kind.
+_DESCRIPTIONS = {
+    nodes.TENSOR: "a tensor", nodes.DTENSOR: "a DTensor", nodes.VALUE: "a value",
+    nodes.NON_FINITE: "a value", nodes.MAPPING: "a dict", nodes.LIST: "a list",
+    nodes.TUPLE: "a tuple", nodes.SIZE: "a torch.Size", nodes.DTYPE: "a dtype",
+    nodes.NUMPY: "a numpy array", nodes.PICKLED: "a pickled object",
+}
 
 
 @dataclass
 class Destinations:
     # The caller's object that ``tree.unflatten`` returns at each matched node, by the node's id.
-    by_node: dict[int, Any] = field(default_factory=dict)
+    by_node: dict[int, torch.Tensor] = field(default_factory=dict)
     # The stored tensor's name, and the tensor its bytes go into (a DTensor's local shard).
     targets: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     # By a stored DTensor's local name, the plain tensors its whole is gathered into (more than one for a tie).
@@ -68,9 +73,9 @@ def match(tree: dict[str, Any], views: dict[str, torch.Tensor], into: Any,
     kind, dtype, shape or DTensor layout. With ``whole_dtensors``, a stored
     DTensor pairs with a plain tensor of its global shape, in ``wholes``.
     """
-    matcher = _Matcher(tree.get("meshes", []), views, whole_dtensors)
+    matcher = _Matcher(tree.get(nodes.TREE_MESHES, []), views, whole_dtensors)
     with torch.no_grad():
-        matcher.walk(tree["root"], into, ())
+        matcher.walk(tree[nodes.TREE_ROOT], into, ())
     problems = matcher.problems
     if problems:
         more = f"; and {len(problems) - _PROBLEMS_SHOWN} more" if len(problems) > _PROBLEMS_SHOWN else ""
@@ -94,20 +99,20 @@ class _Matcher:
         self.destinations = Destinations()
         self.problems: list[str] = []
 
-    def walk(self, node: dict[str, Any], value: Any, path: tree_mod.Path) -> None:
+    def walk(self, node: nodes.Node, value: Any, path: tree_mod.Path) -> None:
         # Exact types first: a state of thousands of tensors is walked on every load(into=...).
         kind = type(value)
         if kind is torch.Tensor or isinstance(value, torch.Tensor):
             self._tensor(node, value, path)
-        elif (kind is dict or kind is OrderedDict or isinstance(value, Mapping)) and "d" in node:
-            stored = {key["v"] if "v" in key else tree_mod.key_of(key): child for key, child in node["d"]}
+        elif (kind is dict or kind is OrderedDict or isinstance(value, Mapping)) and nodes.MAPPING in node:
+            stored = {tree_mod.key_of(key): child for key, child in node[nodes.MAPPING]}
             for key, item in value.items():
                 if key in stored:
                     self.walk(stored[key], item, (*path, key))
                 else:
                     self._unmatched(item, (*path, key), "nothing")
-        elif isinstance(value, list | tuple) and ("l" in node or "t" in node):
-            items = node.get("l", node.get("t"))
+        elif isinstance(value, list | tuple) and (nodes.LIST in node or nodes.TUPLE in node):
+            items = node[nodes.LIST] if nodes.LIST in node else node[nodes.TUPLE]
             for index, item in enumerate(value):
                 if index < len(items):
                     self.walk(items[index], item, (*path, index))
@@ -120,19 +125,20 @@ class _Matcher:
         else:
             self._unmatched(value, path, _describe(node))
 
-    def _tensor(self, node: dict[str, Any], value: torch.Tensor, path: tree_mod.Path) -> None:
+    def _tensor(self, node: nodes.Node, value: torch.Tensor, path: tree_mod.Path) -> None:
         is_dtensor = self.dtensor is not None and type(value) is not torch.Tensor and isinstance(value, self.dtensor)
-        if "D" in node and self.whole_dtensors:
+        if nodes.DTENSOR in node and self.whole_dtensors:
             self._whole(node, value, path, is_dtensor)
             return
-        if "T" in node and not is_dtensor:
-            name, local = node["T"], value
-        elif "D" in node and is_dtensor:
+        if nodes.TENSOR in node and not is_dtensor:
+            name, local = node[nodes.TENSOR], value
+        elif nodes.DTENSOR in node and is_dtensor:
             problem = dtensors.layout_mismatch(node, value, self.saved_meshes)
             if problem is not None:
                 self.problems.append(f"{tree_mod.show_path(path, 'into')} is {problem}")
                 return
-            name, local = node["D"]["T"], value.to_local()
+            # A DTensor (is_dtensor), whose class torch.Tensor's annotations do not know.
+            name, local = node[nodes.DTENSOR][nodes.TENSOR], value.to_local()  # type: ignore[attr-defined]
         else:
             kind = "a DTensor" if is_dtensor else "a tensor"
             self.problems.append(f"{tree_mod.show_path(path, 'into')} is {kind}, where the checkpoint "
@@ -149,9 +155,9 @@ class _Matcher:
         self.destinations.by_node[id(node)] = value
         self.destinations.targets.append((name, local))
 
-    def _whole(self, node: dict[str, Any], value: torch.Tensor, path: tree_mod.Path, is_dtensor: bool) -> None:
-        name = node["D"]["T"]
-        stored_dtype, global_shape = self.views[name].dtype, list(node["sh"])
+    def _whole(self, node: nodes.Node, value: torch.Tensor, path: tree_mod.Path, is_dtensor: bool) -> None:
+        name = node[nodes.DTENSOR][nodes.TENSOR]
+        stored_dtype, global_shape = self.views[name].dtype, list(node[nodes.DTENSOR_SHAPE])
         where = tree_mod.show_path(path, "into")
         if is_dtensor:
             self.problems.append(f"{where} is a DTensor, where read_checkpoint gathers the stored DTensor whole: "
@@ -187,8 +193,6 @@ def _first_tensor(value: Any, path: tree_mod.Path) -> tree_mod.Path | None:
     return None
 
 
-def _describe(node: dict[str, Any]) -> str:
-    for tag, kind in _KINDS.items():
-        if tag in node:
-            return kind
-    return "a value" if "v" in node or "f" in node else "something else"
+def _describe(node: nodes.Node) -> str:
+    kind = nodes.kind_of(node)
+    return "something else" if kind is None else _DESCRIPTIONS[kind]

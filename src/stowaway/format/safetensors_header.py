@@ -14,19 +14,14 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import NamedTuple
 
+from stowaway.format import dtypes
+
 METADATA_KEY = "__metadata__"
 # The data starts on a page boundary: a header that grows by a few bytes (a step counter gaining a
 # digit) then rarely moves the data, so cached views of a slot stay valid from one save to the next.
 DATA_ALIGNMENT = 4096
 MAX_HEADER_BYTES = 100 * 2**20
 _METADATA_OPENING = b'{"' + METADATA_KEY.encode() + b'":'
-
-ELEMENT_BYTES = {
-    "F64": 8, "I64": 8, "U64": 8,
-    "F32": 4, "I32": 4, "U32": 4,
-    "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-    "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-}
 
 
 class HeaderError(ValueError):
@@ -44,7 +39,7 @@ class TensorSpec(NamedTuple):
         count = 1
         for dim in self.shape:
             count *= dim
-        return count * ELEMENT_BYTES[self.dtype]
+        return count * dtypes.ELEMENT_BYTES[self.dtype]
 
 
 class Placed(NamedTuple):
@@ -93,7 +88,7 @@ class Plan:
 
 def plan(specs: list[TensorSpec]) -> Plan:
     """Place tensors largest element first, so every offset is aligned to its element size."""
-    ordered = sorted(specs, key=lambda spec: (-ELEMENT_BYTES[spec.dtype], spec.name))
+    ordered = sorted(specs, key=lambda spec: (-dtypes.ELEMENT_BYTES[spec.dtype], spec.name))
     placed, offset = [], 0
     for spec in ordered:
         placed.append(Placed(spec, offset, offset + spec.nbytes))
@@ -139,7 +134,7 @@ def _placed(name: str, entry: object) -> Placed:
     try:
         dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]  # type: ignore[index]
         # math.prod gives a float for a float dimension and fails on anything but numbers.
-        nbytes = math.prod(shape) * ELEMENT_BYTES[dtype]
+        nbytes = math.prod(shape) * dtypes.ELEMENT_BYTES[dtype]
         negative = bool(shape) and min(shape) < 0
     except (TypeError, KeyError, ValueError) as exc:
         raise HeaderError(f"tensor {name!r} has a malformed entry or an unknown dtype: {exc!r}") from exc

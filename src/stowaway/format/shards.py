@@ -12,50 +12,52 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-# The safetensors metadata entry that holds the state tree.
-TREE_METADATA_KEY = "stowaway.tree"
+from stowaway.format import nodes
 
 
 def describe(metadata: dict[str, str]) -> dict[str, str]:
     """For each DTensor's local shard, by its tensor name: the DTensor's global shape, placements and mesh."""
     try:
-        tree = json.loads(metadata[TREE_METADATA_KEY])
-        meshes = tree.get("meshes") or []
-        return {node["D"]["T"]: _shown(node, meshes[node["m"]]) for node in dtensor_nodes(tree["root"])}
+        tree = json.loads(metadata[nodes.METADATA_KEY])
+        meshes = tree.get(nodes.TREE_MESHES) or []
+        return {
+            node[nodes.DTENSOR][nodes.TENSOR]: _shown(node, meshes[node[nodes.DTENSOR_MESH]])
+            for node in dtensor_nodes(tree[nodes.TREE_ROOT])
+        }
     except (KeyError, IndexError, TypeError, AttributeError, json.JSONDecodeError):
         return {}
 
 
-def dtensor_nodes(root: Any) -> Iterator[dict[str, Any]]:
+def dtensor_nodes(root: Any) -> Iterator[nodes.Node]:
     """Every DTensor node of a state tree, once per place it appears."""
     pending = [root]
     while pending:
         node = pending.pop()
         if isinstance(node, dict):
-            if isinstance(node.get("D"), dict):
+            if isinstance(node.get(nodes.DTENSOR), dict):
                 yield node
             pending.extend(node.values())
         elif isinstance(node, list):
             pending.extend(node)
 
 
-def _shown(node: dict[str, Any], mesh: dict[str, Any]) -> str:
-    shape = "x".join(str(dim) for dim in node["sh"]) or "scalar"
-    placements = ", ".join(_placement(item) for item in node["pl"])
-    sizes, level = [], mesh["ranks"]
+def _shown(node: nodes.Node, mesh: dict[str, Any]) -> str:
+    shape = "x".join(str(dim) for dim in node[nodes.DTENSOR_SHAPE]) or "scalar"
+    placements = ", ".join(_placement(item) for item in node[nodes.DTENSOR_PLACEMENTS])
+    sizes, level = [], mesh[nodes.MESH_RANKS]
     while isinstance(level, list):
         sizes.append(len(level))
         level = level[0] if level else None
-    names = mesh.get("names") or [f"dim{index}" for index in range(len(sizes))]
+    names = mesh.get(nodes.MESH_NAMES) or [f"dim{index}" for index in range(len(sizes))]
     layout = ", ".join(f"{name}={size}" for name, size in zip(names, sizes, strict=False))
-    return f"shard of {shape} ({placements}) on a {mesh['device']} mesh ({layout})"
+    return f"shard of {shape} ({placements}) on a {mesh[nodes.MESH_DEVICE]} mesh ({layout})"
 
 
 def _placement(encoded: dict[str, Any]) -> str:
-    if "sf" in encoded:
-        return f"_StridedShard({encoded['s']}, split_factor={encoded['sf']})"
-    if "s" in encoded:
-        return f"Shard({encoded['s']})"
-    if "r" in encoded:
+    if nodes.PLACEMENT_SPLIT_FACTOR in encoded:
+        return f"_StridedShard({encoded[nodes.PLACEMENT_SHARD]}, split_factor={encoded[nodes.PLACEMENT_SPLIT_FACTOR]})"
+    if nodes.PLACEMENT_SHARD in encoded:
+        return f"Shard({encoded[nodes.PLACEMENT_SHARD]})"
+    if nodes.PLACEMENT_REPLICATE in encoded:
         return "Replicate()"
-    return f"Partial({encoded.get('p')})"
+    return f"Partial({encoded.get(nodes.PLACEMENT_PARTIAL)})"

@@ -3,12 +3,16 @@
 A training loop saves the same structure every time: the same keys, the same
 tensor shapes and dtypes; only tensor contents and a few scalars (step
 counters, learning rates) change. Flattening it (``tree.flatten``) and
-serializing its tree cost about 5 µs per tensor, which ``save`` blocks on.
+serializing its tree cost Python time per tensor, which ``save`` blocks on.
 Here a cheaper walk collects the containers' keys, the tensors and the
 scalars; if they fit the previous save's, the tree JSON is that save's with
 only the scalars rendered anew. Anything the walk does not know (tensor
 subclasses, pickled objects) sends the encoder back to ``tree.flatten``,
 which is always correct.
+
+The walk must visit values in ``tree._Flattener``'s order and tell apart
+every difference that changes the tree; the holes are VALUE nodes
+(``format.nodes``), written here as ``tree`` writes them.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stowaway.format import dtensors
+from stowaway.format import dtensors, nodes
 from stowaway.format import tree as tree_mod
 
 _TENSOR = 0
@@ -31,8 +35,12 @@ _SCALAR = 1
 _SCALAR_TYPES = frozenset({int, float, str, bool, type(None)})
 # A JSON string no state can produce by accident: a state holding it only loses the fast path.
 _HOLE_VALUE = "\x00stowaway-scalar\x00"
-_HOLE = json.dumps({"v": _HOLE_VALUE}, separators=(",", ":"))
-_encode_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+_HOLE = json.dumps({nodes.VALUE: _HOLE_VALUE}, separators=(",", ":"))
+_encode_string = json.encoder.encode_basestring_ascii
+# A scalar's node, escaped as the metadata holds it, is one of these openings, the scalar, and a closing.
+_VALUE_OPENING = _encode_string('{"' + nodes.VALUE + '":')[1:-1]
+_NON_FINITE_OPENING = _encode_string('{"' + nodes.NON_FINITE + '":"')[1:-1]
+_NON_FINITE_CLOSING = _encode_string('"}')[1:-1]
 
 
 class _Unknown(Exception):
@@ -153,7 +161,7 @@ class Template:
         self.facts = TensorFacts.of(walked.tensors)
         for node in flat.scalar_nodes:
             node.clear()
-            node["v"] = _HOLE_VALUE
+            node[nodes.VALUE] = _HOLE_VALUE
         tree_json = json.dumps(flat.tree, separators=(",", ":"), check_circular=False)
         self.parts = [escape(part) for part in tree_json.split(_HOLE)]
         self.usable = (
@@ -196,15 +204,16 @@ class Template:
 
 
 def _escaped_scalar_node(value: Any) -> str:
+    """``tree._scalar_node(value)`` as ``json.dumps`` writes it, escaped."""
     kind = type(value)
     if kind is int:
-        return '{\\"v\\":' + int.__repr__(value) + "}"
+        return _VALUE_OPENING + int.__repr__(value) + "}"
     if kind is float:
         if math.isfinite(value):
-            return '{\\"v\\":' + float.__repr__(value) + "}"
-        return '{\\"f\\":\\"' + repr(value) + '\\"}'
+            return _VALUE_OPENING + float.__repr__(value) + "}"
+        return _NON_FINITE_OPENING + repr(value) + _NON_FINITE_CLOSING
     if kind is str:
-        return escape('{"v":' + _encode_string(value) + "}")
+        return _VALUE_OPENING + escape(_encode_string(value)) + "}"
     if value is None:
-        return '{\\"v\\":null}'
-    return '{\\"v\\":true}' if value else '{\\"v\\":false}'
+        return _VALUE_OPENING + "null}"
+    return _VALUE_OPENING + ("true}" if value else "false}")

@@ -4,7 +4,9 @@ The walk carries a path of keys and indices (never a parsed string), records
 every container's exact type (dict, OrderedDict with its ``_metadata``, list,
 tuple, torch.Size) and every non-tensor leaf, and names each distinct tensor
 once, so tied tensors are stored once and come back as one object. A
-DTensor is stored as this rank's shard (``format.dtensors``).
+DTensor is stored as this rank's shard (``format.dtensors``). The tree's
+keys are named in ``format.nodes``; its grammar is in
+``docs/storage-format.md``.
 """
 
 from __future__ import annotations
@@ -20,19 +22,12 @@ import numpy as np
 import torch
 
 from stowaway.errors import UnsupportedState
-from stowaway.format import dtensors
+from stowaway.format import dtensors, dtypes, nodes
 
-TREE_VERSION = 1
-# A tree holding DTensors: a reader that does not know them says to upgrade instead of failing on a node.
-DTENSOR_TREE_VERSION = 2
 Path = tuple[str | int, ...]
 
-_STORABLE_DTYPES = {
-    torch.float64, torch.float32, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.uint16, torch.uint32, torch.uint64,
-}
+# The dtypes a payload stores, each with its safetensors name: ``format.dtypes`` seen from torch.
+SAFETENSORS_NAMES: dict[torch.dtype, str] = {getattr(torch, dtype.torch): dtype.safetensors for dtype in dtypes.TABLE}
 
 
 @dataclass
@@ -41,7 +36,7 @@ class Flat:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     # For format.template: the name of every tensor occurrence and every scalar leaf's node, in walk order.
     occurrences: list[str] = field(default_factory=list)
-    scalar_nodes: list[dict[str, Any]] = field(default_factory=list)
+    scalar_nodes: list[nodes.Node] = field(default_factory=list)
 
 
 class _Flattener:
@@ -49,7 +44,7 @@ class _Flattener:
         self.allow_pickle = allow_pickle
         self.tensors: dict[str, torch.Tensor] = {}
         self.occurrences: list[str] = []
-        self.scalar_nodes: list[dict[str, Any]] = []
+        self.scalar_nodes: list[nodes.Node] = []
         self._names_by_identity: dict[tuple[Any, ...], str] = {}
         self.meshes = dtensors.MeshTable()
 
@@ -70,20 +65,20 @@ class _Flattener:
                 return dtensors.encode(facts, self._tensor(local, path), show_path(path), self.meshes)
             return self._tensor(value, path)
         if isinstance(value, np.ndarray):
-            stored = self._tensor(numpy_as_tensor(value, path), path)["T"]
-            return {"N": stored, "nd": value.dtype.str, "sh": list(value.shape)}
+            stored = self._tensor(numpy_as_tensor(value, path), path)[nodes.TENSOR]
+            return {nodes.NUMPY: stored, nodes.NUMPY_DTYPE: value.dtype.str, nodes.NUMPY_SHAPE: list(value.shape)}
         if isinstance(value, bool | int | str | float):
             return _scalar_node(value)
         if isinstance(value, torch.Size):
-            return {"S": list(value)}
+            return {nodes.SIZE: list(value)}
         if isinstance(value, torch.dtype):
-            return {"dt": str(value).removeprefix("torch.")}
+            return {nodes.DTYPE: str(value).removeprefix("torch.")}
         if kind in (list, tuple):
-            tag = "l" if kind is list else "t"
+            tag = nodes.LIST if kind is list else nodes.TUPLE
             return {tag: [self.node(item, (*path, index)) for index, item in enumerate(value)]}
         if self.allow_pickle:
             blob = np.frombuffer(pickle.dumps(value), dtype=np.uint8).copy()
-            return {"pk": self._tensor(torch.from_numpy(blob), path)["T"]}
+            return {nodes.PICKLED: self._tensor(torch.from_numpy(blob), path)[nodes.TENSOR]}
         raise UnsupportedState(
             f"state at {show_path(path)} is a {type(value).__module__}.{type(value).__qualname__}, which "
             "Stowaway stores only as tensors, numbers, strings, None, lists, tuples and dicts; "
@@ -91,31 +86,31 @@ class _Flattener:
             "Checkpointer to store it pickled"
         )
 
-    def _mapping(self, value: dict[Any, Any], path: Path) -> Any:
+    def _mapping(self, value: dict[Any, Any], path: Path) -> nodes.Node:
         items = []
         for key, item in value.items():
             if type(key) is str:
-                encoded_key: Any = {"v": key}
+                encoded_key: nodes.Node = {nodes.VALUE: key}
             elif key is None or isinstance(key, str | int | float | bool):
                 encoded_key = _scalar_node(key)
             else:
                 raise UnsupportedState(f"state at {show_path(path)} has a key of type {type(key).__name__}")
             items.append([encoded_key, self.node(item, (*path, key))])
-        encoded: dict[str, Any] = {"d": items}
+        encoded: nodes.Node = {nodes.MAPPING: items}
         if type(value) is OrderedDict:
-            encoded["o"] = 1
+            encoded[nodes.MAPPING_ORDERED] = 1
             metadata = getattr(value, "_metadata", None)
             if metadata is not None:
-                encoded["m"] = self.node(metadata, (*path, "_metadata"))
+                encoded[nodes.MAPPING_METADATA] = self.node(metadata, (*path, "_metadata"))
         return encoded
 
-    def _tensor(self, tensor: torch.Tensor, path: Path) -> dict[str, Any]:
+    def _tensor(self, tensor: torch.Tensor, path: Path) -> nodes.Node:
         if tensor.layout != torch.strided:
             raise UnsupportedState(
                 f"tensor at {show_path(path)} has layout {tensor.layout}; store it dense (tensor.to_dense()) "
                 "or as its components"
             )
-        if tensor.dtype not in _STORABLE_DTYPES:
+        if tensor.dtype not in SAFETENSORS_NAMES:
             raise UnsupportedState(f"tensor at {show_path(path)} has dtype {tensor.dtype}, which Stowaway cannot store")
         if not _has_own_data(tensor):
             # Copying from one fails deep inside torch ("got mixed torch.Tensor and DTensor"), after the slot is taken.
@@ -133,12 +128,12 @@ class _Flattener:
             self._names_by_identity[identity] = name
             self.tensors[name] = tensor
         self.occurrences.append(name)
-        encoded: dict[str, Any] = {"T": name}
+        encoded: nodes.Node = {nodes.TENSOR: name}
         if type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter):
-            encoded["P"] = int(tensor.requires_grad)
+            encoded[nodes.TENSOR_PARAMETER] = int(tensor.requires_grad)
         return encoded
 
-    def _scalar(self, value: Any) -> dict[str, Any]:
+    def _scalar(self, value: Any) -> nodes.Node:
         encoded = _scalar_node(value)
         self.scalar_nodes.append(encoded)
         return encoded
@@ -155,37 +150,39 @@ class _Flattener:
 def flatten(state: Any, allow_pickle: bool = False) -> Flat:
     flattener = _Flattener(allow_pickle)
     root = flattener.node(state, ())
-    tree: dict[str, Any] = {"version": TREE_VERSION, "root": root}
+    tree: dict[str, Any] = {nodes.TREE_VERSION: nodes.VERSION_PLAIN, nodes.TREE_ROOT: root}
     if flattener.meshes.encoded:
-        tree = {"version": DTENSOR_TREE_VERSION, "root": root, "meshes": flattener.meshes.encoded}
+        tree = {nodes.TREE_VERSION: nodes.VERSION_WITH_DTENSORS, nodes.TREE_ROOT: root,
+                nodes.TREE_MESHES: flattener.meshes.encoded}
     return Flat(tree, flattener.tensors, flattener.occurrences, flattener.scalar_nodes)
 
 
 def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor], dtensor_builder: DTensorBuilder,
-              allow_pickle: bool = False, replaced: dict[int, Any] | None = None) -> Any:
+              allow_pickle: bool = False, replaced: dict[int, torch.Tensor] | None = None) -> Any:
     """The state ``flatten`` was given; ``dtensor_builder`` makes what each DTensor node becomes.
 
     ``replaced`` maps the ``id`` of tensor and DTensor nodes to what comes back there instead: the
     caller's own tensors, which ``load(into=...)`` filled (``format.in_place``).
     """
-    if tree.get("version") not in (TREE_VERSION, DTENSOR_TREE_VERSION):
+    version = tree.get(nodes.TREE_VERSION)
+    if version not in nodes.VERSIONS:
         raise UnsupportedState(
-            f"state tree version {tree.get('version')} is not readable by this release "
-            f"(reads {TREE_VERSION} and {DTENSOR_TREE_VERSION}); upgrade Stowaway"
+            f"state tree version {version} is not readable by this release "
+            f"(reads {nodes.VERSION_PLAIN} and {nodes.VERSION_WITH_DTENSORS}); upgrade Stowaway"
         )
-    return _Unflattener(tensors, allow_pickle, dtensor_builder, replaced or {}).node(tree["root"])
+    return _Unflattener(tensors, allow_pickle, dtensor_builder, replaced or {}).node(tree[nodes.TREE_ROOT])
 
 
 class DTensorBuilder(Protocol):
     """What a DTensor node comes back as: a DTensor on the caller's mesh (``dtensors.Rebuilder``), or the
     whole tensor gathered from every rank's file (``full_tensors.Gatherer``)."""
 
-    def rebuild(self, node: dict[str, Any], local: torch.Tensor) -> Any: ...
+    def rebuild(self, node: nodes.Node, local: torch.Tensor) -> Any: ...
 
 
 class _Unflattener:
     def __init__(self, tensors: dict[str, torch.Tensor], allow_pickle: bool, rebuilder: DTensorBuilder,
-                 replaced: dict[int, Any]) -> None:
+                 replaced: dict[int, torch.Tensor]) -> None:
         self.tensors = tensors
         self.allow_pickle = allow_pickle
         self.rebuilder = rebuilder
@@ -194,64 +191,68 @@ class _Unflattener:
         self._arrays: dict[str, np.ndarray] = {}
         self._dtensors: dict[str, Any] = {}
 
-    def node(self, encoded: dict[str, Any]) -> Any:
-        if "T" in encoded:
+    def node(self, encoded: nodes.Node) -> Any:
+        # Tags looked for in the order of ``nodes.KINDS``, inline rather than through a table: a restore reads
+        # every node, and a lookup and a call more per node would show.
+        if nodes.TENSOR in encoded:
             return self._tensor(encoded)
-        if "D" in encoded:
+        if nodes.DTENSOR in encoded:
             return self._dtensor(encoded)
-        if "v" in encoded:
-            return encoded["v"]
-        if "f" in encoded:
-            return float(encoded["f"])
-        if "d" in encoded:
+        if nodes.VALUE in encoded:
+            return encoded[nodes.VALUE]
+        if nodes.NON_FINITE in encoded:
+            return float(encoded[nodes.NON_FINITE])
+        if nodes.MAPPING in encoded:
             return self._mapping(encoded)
-        if "l" in encoded:
-            return [self.node(item) for item in encoded["l"]]
-        if "t" in encoded:
-            return tuple(self.node(item) for item in encoded["t"])
-        if "S" in encoded:
-            return torch.Size(encoded["S"])
-        if "dt" in encoded:
-            return getattr(torch, encoded["dt"])
-        if "N" in encoded:
+        if nodes.LIST in encoded:
+            return [self.node(item) for item in encoded[nodes.LIST]]
+        if nodes.TUPLE in encoded:
+            return tuple(self.node(item) for item in encoded[nodes.TUPLE])
+        if nodes.SIZE in encoded:
+            return torch.Size(encoded[nodes.SIZE])
+        if nodes.DTYPE in encoded:
+            return getattr(torch, encoded[nodes.DTYPE])
+        if nodes.NUMPY in encoded:
             return self._array(encoded)
-        if "pk" in encoded:
-            return self._unpickle(encoded["pk"])
+        if nodes.PICKLED in encoded:
+            return self._unpickle(encoded[nodes.PICKLED])
         raise UnsupportedState(f"state tree holds an unknown node {sorted(encoded)}")
 
-    def _tensor(self, encoded: dict[str, Any]) -> torch.Tensor:
+    def _tensor(self, encoded: nodes.Node) -> torch.Tensor:
         if self.replaced and id(encoded) in self.replaced:
             return self.replaced[id(encoded)]
-        tensor = self.tensors[encoded["T"]]
-        if "P" not in encoded:
+        name = encoded[nodes.TENSOR]
+        tensor = self.tensors[name]
+        if nodes.TENSOR_PARAMETER not in encoded:
             return tensor
-        if encoded["T"] not in self._parameters:
-            self._parameters[encoded["T"]] = torch.nn.Parameter(tensor, requires_grad=bool(encoded["P"]))
-        return self._parameters[encoded["T"]]
+        if name not in self._parameters:
+            self._parameters[name] = torch.nn.Parameter(tensor, requires_grad=bool(encoded[nodes.TENSOR_PARAMETER]))
+        return self._parameters[name]
 
-    def _dtensor(self, encoded: dict[str, Any]) -> Any:
+    def _dtensor(self, encoded: nodes.Node) -> Any:
         if self.replaced and id(encoded) in self.replaced:
             return self.replaced[id(encoded)]
         # One DTensor object per stored one, as tied plain tensors come back as one object.
         key = json.dumps(encoded, sort_keys=True)
         if key not in self._dtensors:
-            self._dtensors[key] = self.rebuilder.rebuild(encoded, self.tensors[encoded["D"]["T"]])
+            local = self.tensors[encoded[nodes.DTENSOR][nodes.TENSOR]]
+            self._dtensors[key] = self.rebuilder.rebuild(encoded, local)
         return self._dtensors[key]
 
-    def _array(self, encoded: dict[str, Any]) -> np.ndarray:
-        name = encoded["N"]
+    def _array(self, encoded: nodes.Node) -> np.ndarray:
+        name = encoded[nodes.NUMPY]
         if name not in self._arrays:
             raw = self.tensors[name].cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            typed = raw.view(np.dtype(encoded["nd"])).reshape(tuple(encoded["sh"]))
+            typed = raw.view(np.dtype(encoded[nodes.NUMPY_DTYPE])).reshape(tuple(encoded[nodes.NUMPY_SHAPE]))
             self._arrays[name] = typed.copy()
         return self._arrays[name]
 
-    def _mapping(self, encoded: dict[str, Any]) -> dict[Any, Any]:
-        result: dict[Any, Any] = OrderedDict() if encoded.get("o") else {}
-        for key, value in encoded["d"]:
+    def _mapping(self, encoded: nodes.Node) -> dict[Any, Any]:
+        result: dict[Any, Any] = OrderedDict() if encoded.get(nodes.MAPPING_ORDERED) else {}
+        for key, value in encoded[nodes.MAPPING]:
             result[self.node(key)] = self.node(value)
-        if "m" in encoded:
-            result._metadata = self.node(encoded["m"])  # type: ignore[attr-defined]
+        if nodes.MAPPING_METADATA in encoded:
+            result._metadata = self.node(encoded[nodes.MAPPING_METADATA])  # type: ignore[attr-defined]
         return result
 
     def _unpickle(self, name: str) -> Any:
@@ -271,15 +272,15 @@ def _has_own_data(tensor: torch.Tensor) -> bool:
         return False
 
 
-def key_of(encoded: dict[str, Any]) -> Any:
-    """A mapping key as stored by ``_Flattener._mapping``: a scalar node."""
-    return float(encoded["f"]) if "f" in encoded else encoded["v"]
+def key_of(encoded: nodes.Node) -> Any:
+    """A mapping key as stored by ``_Flattener._mapping``: a VALUE or NON_FINITE node."""
+    return encoded[nodes.VALUE] if nodes.VALUE in encoded else float(encoded[nodes.NON_FINITE])
 
 
-def _scalar_node(value: Any) -> dict[str, Any]:
+def _scalar_node(value: Any) -> nodes.Node:
     if isinstance(value, float) and not math.isfinite(value):
-        return {"f": repr(value)}
-    return {"v": value}
+        return {nodes.NON_FINITE: repr(value)}
+    return {nodes.VALUE: value}
 
 
 def numpy_as_tensor(array: np.ndarray, path: Path = ()) -> torch.Tensor:
