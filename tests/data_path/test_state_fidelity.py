@@ -188,3 +188,16 @@ def test_pickled_objects_need_an_opt_in_on_both_sides(start_sidecar):
         pytest.raises(UnsupportedState, match="allow_pickle=True"),
     ):
         ckpt.load()
+
+
+@pytest.mark.parametrize("state", [{"epoch": 3}, {}, {"empty": torch.empty(0, 4), "step": 2}],
+                         ids=["scalars-only", "empty-dict", "empty-tensor-only"])
+def test_a_state_with_no_tensor_bytes_saves_and_restores(start_sidecar, state):
+    # A data loader's position or an epoch counter saved on its own has no tensor data to copy.
+    sidecar = start_sidecar()
+    with Checkpointer(job="no-bytes", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt:
+        ckpt.save(1, state).wait(30)
+        ckpt.save(2, state).wait(30)
+        step, restored = ckpt.load()
+    assert step == 2
+    assert_same(restored, state)

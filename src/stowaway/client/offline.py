@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from stowaway.errors import CheckpointCorrupt, UnsupportedState
-from stowaway.format import codec, dtensors, full_tensors, in_place
+from stowaway.format import codec, dtensors, full_tensors, in_place, nodes
 from stowaway.format import tree as tree_mod
 from stowaway.storage import catalog, direct_io, layout, manifest
 
@@ -53,7 +53,7 @@ def read_checkpoint(path: str | os.PathLike[str], step: int | None = None, *, ra
     if not 0 <= rank < found.world_size:
         raise ValueError(f"rank {rank} is not one of the {found.world_size} ranks of step {step}")
     tree, views = _parsed(step_path, found.file_for(rank))
-    sharded = bool(tree.get("meshes"))
+    sharded = bool(tree.get(nodes.TREE_MESHES))
     if sharded:
         full_tensors.check_gatherable(tree)
     destinations = None if into is None else in_place.match(tree, views, into, whole_dtensors=True)

@@ -101,7 +101,8 @@ def write_into(encoded: Encoded, payload: torch.Tensor, views: list[torch.Tensor
     payload[: len(header)].numpy()[:] = memoryview(header)
     with torch.no_grad():
         if not encoded.cuda_devices:
-            torch._foreach_copy_(views, encoded.sources)
+            if views:  # _foreach_copy_ refuses an empty list: a state of scalars only has no tensor bytes
+                torch._foreach_copy_(views, encoded.sources)
             return
         for view, source in zip(views, encoded.sources, strict=True):
             view.copy_(source, non_blocking=source.device.type == "cuda")
