@@ -107,7 +107,7 @@ def test_every_series_is_named_stowaway_and_only_reason_and_le_are_labels() -> N
 
 def test_every_failure_kind_the_sidecar_can_report_is_a_known_reason() -> None:
     kinds = {classify(OSError(code, "x"), Path("/x")).kind for code in (errno.ENOSPC, errno.EROFS, errno.EIO)}
-    for module in SIDECAR_SOURCE.glob("*.py"):
+    for module in SIDECAR_SOURCE.rglob("*.py"):
         for node in ast.walk(ast.parse(module.read_text())):
             if not isinstance(node, ast.Call):
                 continue
