@@ -1,12 +1,15 @@
 # One slim image, two entrypoints: `python -m stowaway.operator` and `stowaway sidecar ...` (the chart and the
 # webhook set the command). No torch: the operator and the sidecar never import it.
-FROM python:3.11-slim-bookworm AS build
+# BASE: any Debian bookworm image with Python 3.11 and pip on PATH; the e2e tests build one locally
+# (hack/e2e/images), where no image registry is reachable.
+ARG BASE=python:3.11-slim-bookworm
+FROM ${BASE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
 RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[operator]"
 
-FROM python:3.11-slim-bookworm
+FROM ${BASE}
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-index /wheels/*.whl && rm -rf /wheels \
