@@ -2,6 +2,8 @@
 # copied into the context by hack/e2e/node-image): systemd as init, Debian's packages, and a container
 # runtime (containerd, runc, crictl, CNI plugins) compiled here from the Go module proxy rather than
 # downloaded from release pages. The legacy builder has no COPY --chmod, hence the chmods.
+# restrict_oom_score_adj (set by kind's entrypoint for rootless nodes only): containerd asks for no lower OOM
+# score than its own, since lowering one needs CAP_SYS_RESOURCE, which some machines withhold even from root.
 ARG BASE
 FROM ${BASE}
 COPY files/ /
@@ -23,7 +25,8 @@ RUN chmod 0755 /usr/local/bin/* /kind /kind/bin /kind/bin/* \
     && ln -sf /usr/lib/systemd/systemd /sbin/init \
     && systemctl enable kubelet.service containerd.service undo-mount-hacks.service \
     && systemctl mask systemd-binfmt.service \
-    && mkdir -p /etc/kubernetes/manifests
+    && mkdir -p /etc/kubernetes/manifests \
+    && sed -i 's/restrict_oom_score_adj = false/restrict_oom_score_adj = true/' /etc/containerd/config.toml
 COPY bin/ /usr/local/bin/
 COPY cni/ /opt/cni/bin/
 RUN mv /usr/local/bin/runc /usr/local/sbin/runc \
