@@ -19,6 +19,9 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HACK = REPO_ROOT / "hack" / "e2e"
 PRODUCT_IMAGE = "stowaway/stowaway:e2e"
+# The same image under the tag deploy/ names (the chart's appVersion), which hack/e2e/images also gives it.
+DEPLOY_IMAGE = "stowaway/stowaway:" + str(
+    yaml.safe_load((REPO_ROOT / "charts" / "stowaway" / "Chart.yaml").read_text())["appVersion"])
 TRAINER_IMAGE = "stowaway-e2e/trainer:e2e"
 KEEP_ENV = "STOWAWAY_E2E_KEEP"
 CLUSTER_ENV = "STOWAWAY_E2E_CLUSTER"
@@ -77,7 +80,7 @@ def _build_clients() -> None:
 
 
 def _load_images(cluster: str) -> None:
-    _run("cluster", "load", PRODUCT_IMAGE, TRAINER_IMAGE, env={**os.environ, CLUSTER_ENV: cluster})
+    _run("cluster", "load", PRODUCT_IMAGE, DEPLOY_IMAGE, TRAINER_IMAGE, env={**os.environ, CLUSTER_ENV: cluster})
 
 
 def prepare(*, needs_cluster: bool, external_kubeconfig: str | None) -> Environment:
