@@ -2,9 +2,10 @@
 
 Everything comes from the ``hack/e2e`` scripts, which build from sources reachable without an image registry
 and cache what they build outside the repository. Preparing takes minutes when cold, longer than one test may
-run, so the conftest prepares once before the first test and tears down after the last: the cluster only if
-this session created it, the Docker engine only if this session started it (``STOWAWAY_E2E_KEEP=1`` keeps
-both, so the next run reuses them).
+run, so the conftest prepares once before the first test and undoes after the last what it started: the
+cluster's node is stopped (not deleted: with the images loaded into it, it is the slowest thing to make, and
+the next session starts it again) and the Docker engine is stopped. ``STOWAWAY_E2E_KEEP=1`` leaves both
+running; ``hack/e2e/cluster down`` deletes the cluster.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class Environment:
 
     started_docker: bool
     kubeconfig: Path | None
-    # The kind cluster this session created (deleted afterwards); None when it reused or was given one.
-    created_cluster: str | None
+    # The kind cluster this session created or started (stopped afterwards); None when it was running already
+    # or the cluster was given.
+    started_cluster: str | None
 
 
 def _run(script: str, *args: str, env: dict[str, str] | None = None) -> str:
@@ -90,25 +92,25 @@ def prepare(*, needs_cluster: bool, external_kubeconfig: str | None) -> Environm
     other cluster must already hold them (the tests' pods never pull).
     """
     started = _start_docker()
+    cluster: str | None = None
     try:
         _run("images", "product", "trainer")
         if not needs_cluster:
-            return Environment(started_docker=started, kubeconfig=None, created_cluster=None)
+            return Environment(started_docker=started, kubeconfig=None, started_cluster=None)
         _build_clients()
         if external_kubeconfig:
             path = Path(external_kubeconfig.split(os.pathsep)[0]).expanduser().resolve()
             name = kind_cluster_of(path)
             if name is not None:
                 _load_images(name)
-            return Environment(started_docker=started, kubeconfig=path, created_cluster=None)
+            return Environment(started_docker=started, kubeconfig=path, started_cluster=None)
         name = os.environ.get(CLUSTER_ENV, "stowaway-e2e")
         fields = dict(line.split("=", 1) for line in _run("cluster", "up").splitlines() if "=" in line)
+        cluster = name if fields.get("started") == "true" else None
         _load_images(name)
-        created = name if fields.get("created") == "true" else None
-        return Environment(started_docker=started, kubeconfig=Path(fields["kubeconfig"]), created_cluster=created)
+        return Environment(started_docker=started, kubeconfig=Path(fields["kubeconfig"]), started_cluster=cluster)
     except SetupFailed:
-        if started:
-            _run("docker", "stop")
+        teardown(Environment(started_docker=started, kubeconfig=None, started_cluster=cluster))
         raise
 
 
@@ -116,7 +118,7 @@ def teardown(environment: Environment) -> None:
     """Undo what :func:`prepare` did, unless ``STOWAWAY_E2E_KEEP=1``."""
     if os.environ.get(KEEP_ENV) == "1":
         return
-    if environment.created_cluster is not None:
-        _run("cluster", "down", env={**os.environ, CLUSTER_ENV: environment.created_cluster})
+    if environment.started_cluster is not None:
+        _run("cluster", "stop", env={**os.environ, CLUSTER_ENV: environment.started_cluster})
     if environment.started_docker:
         _run("docker", "stop")
