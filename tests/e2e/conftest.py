@@ -13,10 +13,13 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from k8s.api_fixture import k8s_api
 from k8s.cluster import Cluster, external_cluster, loopback_bypasses_proxy
 from k8s.tools import ToolsMissing, locate
 
 from .environment import DockerUnavailable, Environment, SetupFailed, prepare, teardown
+
+__all__ = ["k8s_api"]  # a fixture: imported to be registered here
 
 _PREPARED = pytest.StashKey[Environment | DockerUnavailable | SetupFailed]()
 
@@ -66,8 +69,8 @@ def e2e_environment(request: pytest.FixtureRequest) -> Environment:
 
 @pytest.fixture(scope="session")
 def k8s_cluster(e2e_environment: Environment, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """The kind cluster, in place of the k8s tests' control plane: ``k8s_api`` and ``k8s_namespace`` of the
-    root conftest then work on it unchanged. Its pods really run, from images loaded into the node."""
+    """The kind cluster, in place of the k8s tests' control plane: ``k8s_api``, shared with the k8s tests,
+    works on it unchanged. Its pods really run, from images loaded into the node."""
     if e2e_environment.kubeconfig is None:
         pytest.fail("no cluster was prepared for this session", pytrace=False)
     try:

@@ -30,13 +30,14 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
+from .api_fixture import k8s_api
 from .cluster import Cluster, external_cluster, loopback_bypasses_proxy, managed_cluster
 from .control_plane import ControlPlane, FakeNodes
 from .operator_fixtures import checkpointpolicy_crd, operator_kubeconfig, ready_policy, stowaway_operator
 from .tools import Tools, ToolsMissing, ensure_built, locate
 from .wait import eventually
 
-__all__ = ["checkpointpolicy_crd", "operator_kubeconfig", "ready_policy", "stowaway_operator"]
+__all__ = ["checkpointpolicy_crd", "k8s_api", "operator_kubeconfig", "ready_policy", "stowaway_operator"]
 
 _TOOLS = pytest.StashKey[Tools | ToolsMissing]()
 KEEP_ENV = "STOWAWAY_K8S_KEEP"  # =1 keeps the control plane's temp dir and logs
@@ -132,16 +133,6 @@ def _k8s_plane(
 def k8s_cluster(_k8s_plane: tuple[Cluster, ControlPlane | None]) -> Cluster:
     """The cluster under test: kubeconfig, server URL, kubectl/helm paths, API client."""
     return _k8s_plane[0]
-
-
-@pytest.fixture(scope="session")
-def k8s_api(k8s_cluster: Cluster) -> Iterator[client.ApiClient]:
-    """A ready ``kubernetes.client.ApiClient`` for the cluster under test."""
-    api = k8s_cluster.api_client()
-    try:
-        yield api
-    finally:
-        api.close()
 
 
 @pytest.fixture(scope="session")
