@@ -38,8 +38,6 @@ def test_the_sidecar_entrypoint_prints_its_help(e2e_environment: Environment) ->
     assert "sidecar" in shown.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="python -m stowaway.operator reads its settings before its arguments: "
-                   "--help exits 2 with the missing-settings error (src/stowaway/operator/__main__.py)")
 def test_the_operator_entrypoint_prints_its_help(e2e_environment: Environment) -> None:
     shown = _run(PRODUCT_IMAGE, "python", "-m", "stowaway.operator", "--help")
     assert shown.returncode == 0, shown.stderr

@@ -28,13 +28,12 @@ DEPLOY = REPO / "deploy"
 
 @pytest.fixture
 def operator_namespace(k8s_api: client.ApiClient) -> Iterator[str]:
-    """A fresh namespace with a short name.
+    """A fresh namespace with a long name, as users' namespaces can be.
 
-    Short because the operator puts its Service's DNS name (<release>-stowaway.<namespace>.svc) into its
-    certificate's common name, which X.509 limits to 64 characters: with a longer namespace it crashes at
-    start (src/stowaway/operator/certificates.py), which the k8s_namespace fixture's names would trigger.
+    Long enough that the Service's DNS name (<release>-stowaway.<namespace>.svc) exceeds the 64 characters an
+    X.509 common name may hold: the operator's certificate must carry it in its SANs only.
     """
-    name = f"stowaway-{uuid.uuid4().hex[:6]}"
+    name = f"stowaway-e2e-operator-with-a-long-namespace-{uuid.uuid4().hex[:6]}"
     core = client.CoreV1Api(k8s_api)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels={"stowaway.test": "true"})))
     try:

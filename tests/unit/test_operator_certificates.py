@@ -27,6 +27,19 @@ def test_the_server_certificate_names_every_host_and_is_signed_by_the_ca_for_the
     assert datetime.timedelta(days=29) < lifetime <= datetime.timedelta(days=30)
 
 
+def test_a_service_name_longer_than_a_common_name_may_be_is_certified_for_a_tls_handshake(tmp_path: Path) -> None:
+    # <release>-stowaway.<namespace>.svc outgrows the 64 characters of an X.509 common name in long namespaces.
+    hosts = certificates.service_hosts("my-release-stowaway", "stowaway-e2e-operator-with-a-long-namespace-0a1b2c")
+    assert len(hosts[0]) > 64
+    made = certificates.self_signed([*hosts, "127.0.0.1"])
+    port, server_side = serve_once(made, tmp_path)
+    handshake(port, made.ca_pem, "127.0.0.1")
+    assert server_side.result(timeout=5) is None, "the server's side of the handshake failed"
+    names = x509.load_pem_x509_certificate(made.cert_pem).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == hosts
+
+
 def test_each_call_makes_a_new_ca() -> None:
     assert certificates.self_signed(["a"]).ca_pem != certificates.self_signed(["a"]).ca_pem
 

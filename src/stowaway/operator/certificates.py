@@ -92,7 +92,9 @@ def self_signed(hosts: list[str], days: int = 365) -> ServingCertificate:
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        # A common name holds at most 64 characters, and <release>-stowaway.<namespace>.svc can be longer;
+        # clients (the API server among them) check the DNS names in the SAN extension, not the common name.
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "stowaway-webhook")]))
         .issuer_name(ca_name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
