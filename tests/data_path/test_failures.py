@@ -15,7 +15,7 @@ import pytest
 
 from data_path.mounts import tmpfs
 from data_path.processes import as_user, collective, join_group, other_uids_unavailable, wait_for
-from stowaway.protocol import frames
+from stowaway.protocol import frames, messages
 from stowaway.slots import header, naming
 from stowaway.storage import catalog, layout
 
@@ -261,8 +261,8 @@ def read_error(sock) -> str:
     return received[-1]["reason"]
 
 
-HELLO = {"type": "hello", "protocol": 1, "job": "evil", "rank": 0, "local_rank": 0, "world_size": 1,
-         "local_world_size": 1, "node": "n", "pid": 1}
+HELLO = {"type": "hello", "protocol": messages.PROTOCOL_VERSION, "job": "evil", "rank": 0, "local_rank": 0,
+         "world_size": 1, "local_world_size": 1, "node": "n", "pid": 1}
 
 
 @pytest.mark.parametrize(
@@ -270,7 +270,9 @@ HELLO = {"type": "hello", "protocol": 1, "job": "evil", "rank": 0, "local_rank":
     [
         (b"\x00\x00\x00\x05hello", "not UTF-8 JSON"),
         (struct.pack(">I", 2**31), "exceeds the 65536-byte limit"),
-        (frames.encode({**HELLO, "protocol": 2}), "protocol version 2 is not supported"),
+        # A client of the release before.
+        (frames.encode({**HELLO, "protocol": messages.PROTOCOL_VERSION - 1}),
+         f"protocol version {messages.PROTOCOL_VERSION - 1} is not supported"),
         (frames.encode({"type": "persist", "run": "r", "step": 1, "slot": 0, "generation": 1, "nbytes": 1,
                         "blocking_seconds": 0, "slot_wait_seconds": 0}), "expected hello as the first message"),
         (frames.encode(HELLO) + frames.encode({"type": "persist", "run": "r", "step": 1, "slot": 0, "generation": 1,

@@ -38,11 +38,18 @@ json_values = st.recursive(json_leaves, lambda inner: st.lists(inner, max_size=4
                            | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 
 
-def field_types(kind: str) -> dict[str, type]:
-    """Each field of a client message and its Python type (``float`` fields take ints too), in wire order."""
+def field_types(kind: str) -> dict[str, Any]:
+    """Each field of a client message and its type or ``Literal`` (``float`` fields take ints too), in wire order."""
     cls = TO_SIDECAR.kinds[kind]
     hints = typing.get_type_hints(cls)
     return {field.name: hints[field.name] for field in dataclasses.fields(cls)}
+
+
+def good_values(expected: Any) -> st.SearchStrategy[Any]:
+    """Values of the field's JSON type, some out of range: what a buggy client would send."""
+    if typing.get_origin(expected) is typing.Literal:
+        return st.sampled_from(typing.get_args(expected)) | st.text(max_size=8)
+    return st.text(max_size=8) if expected is str else st.integers(-3, 70)
 
 
 @st.composite
@@ -53,7 +60,7 @@ def near_messages(draw: st.DrawFn) -> dict[str, Any]:
     for field, expected in field_types(kind).items():
         choice = draw(st.sampled_from(["good", "good", "missing", "any"]))
         if choice == "good":
-            message[field] = draw(st.text(max_size=8) if expected is str else st.integers(-3, 70))
+            message[field] = draw(good_values(expected))
         elif choice == "any":
             message[field] = draw(json_values)
     return message
@@ -98,6 +105,9 @@ def test_validation_accepts_only_well_typed_in_range_messages_and_names_the_fiel
     assert type(decoded) is TO_SIDECAR.kinds[message["type"]]
     for field, expected in fields.items():
         value = getattr(decoded, field)
+        if typing.get_origin(expected) is typing.Literal:
+            assert value in typing.get_args(expected), (field, value)
+            continue
         assert isinstance(value, (int, float) if expected is float else expected), (field, value)
         assert not isinstance(value, bool), (field, value)
         if field in INT64_FIELDS:
@@ -107,8 +117,8 @@ def test_validation_accepts_only_well_typed_in_range_messages_and_names_the_fiel
     assert messages.encode(decoded) == message, "the message decoded is not the one sent"
 
 
-HELLO = {"type": "hello", "protocol": 1, "rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1,
-         "node": "fuzz", "pid": 1}
+HELLO = {"type": "hello", "protocol": messages.PROTOCOL_VERSION, "rank": 0, "local_rank": 0, "world_size": 1,
+         "local_world_size": 1, "node": "fuzz", "pid": 1}
 hellos = st.builds(lambda job: {**HELLO, "job": job}, st.from_regex(r"\Afuzz[a-z0-9]{0,6}\Z"))
 streams = st.tuples(
     st.one_of(hellos.map(frames.encode), json_payloads.map(frame_of)),

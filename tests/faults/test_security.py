@@ -24,8 +24,8 @@ from stowaway.storage import layout
 
 pytestmark = pytest.mark.faults
 
-HELLO = {"type": "hello", "protocol": 1, "rank": 0, "local_rank": 0, "world_size": 1, "local_world_size": 1,
-         "node": "n", "pid": 1}
+HELLO = {"type": "hello", "protocol": messages.PROTOCOL_VERSION, "rank": 0, "local_rank": 0, "world_size": 1,
+         "local_world_size": 1, "node": "n", "pid": 1}
 
 
 class Tripwire:

@@ -10,8 +10,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from metrics.promtools import sample_names, samples
+from stowaway.protocol import messages
 from stowaway.sidecar import metrics as sidecar_metrics
-from stowaway.sidecar.metrics import BUCKETS, FAILURE_REASONS, SidecarMetrics
+from stowaway.sidecar.metrics import BUCKETS, FAILURE_REASONS, RESTORE_SOURCES, SidecarMetrics
 from stowaway.sidecar.persister import classify
 from stowaway.sidecar.stats import Stats
 
@@ -29,12 +30,21 @@ def fresh() -> Stats:
     return Stats(SidecarMetrics(CollectorRegistry()))
 
 
-def test_a_fresh_exporter_reports_no_commit_yet_and_zero_failures_for_every_reason() -> None:
+def test_a_fresh_exporter_reports_no_commit_yet_and_zero_failures_and_restores_of_every_label() -> None:
     found = scrape(fresh())
     assert found["stowaway_last_committed_step"] == -1
     assert found["stowaway_last_commit_timestamp_seconds"] == 0
     for reason in FAILURE_REASONS:
         assert found[f'stowaway_failures_total{{reason="{reason}"}}'] == 0
+    for source in ("memory", "storage"):
+        assert found[f'stowaway_restores_total{{source="{source}"}}'] == 0
+        assert found[f'stowaway_restore_duration_seconds_count{{source="{source}"}}'] == 0
+
+
+def test_the_restore_sources_are_those_the_protocol_allows() -> None:
+    assert RESTORE_SOURCES == ("memory", "storage")
+    for source in RESTORE_SOURCES:
+        messages.Restored(step=1, source=source, seconds=0.0)
 
 
 def test_each_stats_call_feeds_its_series() -> None:
@@ -45,6 +55,9 @@ def test_each_stats_call_feeds_its_series() -> None:
     stats.committed(step=7, seconds=0.5, when=1_700_000_000.0)
     stats.committed(step=5, seconds=0.6, when=1_700_000_001.0)
     stats.failed("storage_full")
+    stats.restored("memory", 0.03)
+    stats.restored("memory", 0.002)
+    stats.restored("storage", 4.0)
     found = scrape(stats)
     assert found["stowaway_save_blocking_seconds_count"] == 2
     assert found["stowaway_save_blocking_seconds_sum"] == 0.203
@@ -56,8 +69,15 @@ def test_each_stats_call_feeds_its_series() -> None:
     assert found["stowaway_last_committed_step"] == 7, "a late commit of an older step must not move it back"
     assert found["stowaway_last_commit_timestamp_seconds"] == 1_700_000_001.0
     assert found['stowaway_failures_total{reason="storage_full"}'] == 1
+    assert found['stowaway_restores_total{source="memory"}'] == 2
+    assert found['stowaway_restores_total{source="storage"}'] == 1
+    assert found['stowaway_restore_duration_seconds_count{source="memory"}'] == 2
+    assert found['stowaway_restore_duration_seconds_sum{source="memory"}'] == 0.032
+    assert found['stowaway_restore_duration_seconds_bucket{le="0.0025",source="memory"}'] == 1
+    assert found['stowaway_restore_duration_seconds_bucket{le="2.5",source="storage"}'] == 0
+    assert found['stowaway_restore_duration_seconds_bucket{le="5.0",source="storage"}'] == 1
     assert stats.summary() == {"persists": 1, "persisted_bytes": 4096, "commits": 2, "last_committed_step": 7,
-                               "failures": {"storage_full": 1}}
+                               "failures": {"storage_full": 1}, "restores": {"memory": 2, "storage": 1}}
 
 
 def test_an_unknown_failure_reason_is_counted_as_internal_so_the_label_set_stays_bounded() -> None:
@@ -72,9 +92,12 @@ def test_nonsense_durations_sent_by_a_rank_are_dropped() -> None:
     stats = fresh()
     for blocking, slot_wait in ((-1.0, 0.0), (float("nan"), 0.0), (0.1, float("inf"))):
         stats.save_reported(blocking, slot_wait)
+    stats.restored("memory", -0.5)
     found = scrape(stats)
     assert found["stowaway_save_blocking_seconds_count"] == 0
     assert found["stowaway_save_slot_wait_seconds_count"] == 0
+    assert found['stowaway_restore_duration_seconds_count{source="memory"}'] == 0
+    assert found['stowaway_restores_total{source="memory"}'] == 1, "the restore happened all the same"
 
 
 def test_gauges_of_ranks_and_slots_are_read_from_their_source_at_scrape_time() -> None:
@@ -95,14 +118,14 @@ def test_buckets_span_one_millisecond_to_thirty_minutes() -> None:
     assert list(BUCKETS) == sorted(set(BUCKETS))
 
 
-def test_every_series_is_named_stowaway_and_only_reason_and_le_are_labels() -> None:
+def test_every_series_is_named_stowaway_and_only_reason_source_and_le_are_labels() -> None:
     stats = fresh()
     stats.watch(lambda: 0, lambda: 0, lambda: None)
     found = scrape(stats)
     assert all(name.startswith("stowaway_") for name in sample_names(stats.metrics.exposition()[0].decode()))
     labels = {pair.split("=", 1)[0] for series in found if "{" in series
               for pair in series.split("{", 1)[1].rstrip("}").split(",")}
-    assert labels == {"reason", "le"}
+    assert labels == {"reason", "source", "le"}
 
 
 def test_every_failure_kind_the_sidecar_can_report_is_a_known_reason() -> None:

@@ -49,6 +49,17 @@ def test_a_bad_hello_names_what_is_wrong(overrides, error):
           "blocking_seconds": False, "slot_wait_seconds": 0},
          "persist.blocking_seconds must be int or float, got a boolean"),
         ({"type": "welcome"}, "unknown message type 'welcome'"),
+        ({"type": "restored", "step": 3, "source": "disk", "seconds": 0.1},
+         "restored.source must be 'memory' or 'storage', got 'disk'"),
+        ({"type": "restored", "step": 3, "source": 1, "seconds": 0.1},
+         "restored.source must be 'memory' or 'storage', got 1"),
+        ({"type": "restored", "step": 3, "source": ["memory"], "seconds": 0.1},
+         r"restored.source must be 'memory' or 'storage', got \['memory'\]"),
+        ({"type": "restored", "step": 3, "source": True, "seconds": 0.1},
+         "restored.source must be 'memory' or 'storage', got a boolean"),
+        ({"type": "restored", "step": -1, "source": "memory", "seconds": 0.1}, "restored.step must be between 0"),
+        ({"type": "restored", "step": 3, "source": "memory", "seconds": "fast"},
+         "restored.seconds must be int or float, got str"),
     ],
 )
 def test_malformed_messages_are_rejected_with_the_field_named(message, error):
@@ -93,6 +104,8 @@ WIRE = [
                   "blocking_seconds": 0.25, "slot_wait_seconds": 0}),
     (TO_SIDECAR, {"type": "query"}),
     (TO_SIDECAR, {"type": "stage", "step": 7, "slot": 0}),
+    (TO_SIDECAR, {"type": "restored", "step": 7, "source": "memory", "seconds": 0.031}),
+    (TO_SIDECAR, {"type": "restored", "step": 7, "source": "storage", "seconds": 2}),
     (TO_CLIENT, {"type": "welcome", "protocol": 1, "node": "node-a", "busy": [0, 2], "shm_dir": "/dev/shm"}),
     (TO_CLIENT, {"type": "registered", "slot": 1}),
     (TO_CLIENT, {"type": "released", "slot": 1, "step": 7, "generation": 3}),
@@ -132,3 +145,10 @@ def test_messages_are_frozen_and_built_from_code_checked_like_from_the_wire():
         messages.Committed(step="3")
     welcome = messages.Welcome(protocol=1, node="n", busy=[2, 0], shm_dir="/s")
     assert welcome.busy == (2, 0), "a JSON list becomes a tuple"
+
+
+def test_a_long_value_outside_a_literal_is_shortened_in_the_error():
+    with pytest.raises(messages.MessageError) as refused:
+        messages.decode({"type": "restored", "step": 3, "source": "x" * 60_000, "seconds": 0}, TO_SIDECAR)
+    # The error goes back to the peer in one frame, which a 60 kB value would overflow.
+    assert len(str(refused.value)) < 200

@@ -6,11 +6,15 @@ the candidates (``agreement``), refusing a step saved by another number of
 ranks; then try the candidates newest first, each from memory if a slot
 holds it, else staged from storage into a slot by the sidecar, and fall back
 to the next older one, on every rank alike, when any rank fails to restore it.
+Once a step is restored, tell the sidecar where it came from and how long
+``load()`` took: a restore from memory involves no request the sidecar would
+otherwise see, and its log and metrics are where an operator looks.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from stowaway.client import agreement, env
@@ -44,6 +48,7 @@ class Restorer:
         self._slots = slots
 
     def load(self, step: int | None, map_location: Any, device_mesh: Any, into: Any) -> tuple[int, Any] | None:
+        started = time.monotonic()
         meshes = dtensors.given_meshes(device_mesh)
         if self._world_size > self._local_world_size and not agreement.active(self._world_size):
             # Each node's sidecar answers alone, and a commit landing between two nodes' questions (as
@@ -70,7 +75,8 @@ class Restorer:
         self._refuse_other_world(step, candidates, other_world)
         problems = []
         for candidate in candidates:
-            error, refused, state, source = None, None, None, "memory"
+            error, refused, state = None, None, None
+            source: messages.RestoreSource = "memory"
             try:
                 slot = self._slots.pool.slots[in_memory[candidate]] if candidate in in_memory else None
                 if slot is not None and _header_holding(slot, candidate) is not None:
@@ -88,7 +94,7 @@ class Restorer:
             for rank, reason in refusals:
                 raise UnsupportedState(f"rank {rank}: {reason}")
             if not failures:
-                log.info("rank %d restored step %d from %s", self._rank, candidate, source)
+                self._report(candidate, source, time.monotonic() - started)
                 return candidate, state
             for rank, reason in failures:
                 problems.append(f"step {candidate} rank {rank}: {reason}")
@@ -105,6 +111,13 @@ class Restorer:
                 "that was known; re-initialise them before training from scratch"
             )
         return None
+
+    def _report(self, step: int, source: messages.RestoreSource, seconds: float) -> None:
+        log.info("rank %d restored step %d from %s in %.3f s", self._rank, step, source, seconds)
+        if not self._link.send(messages.Restored(step=step, source=source, seconds=seconds)):
+            # The step is restored all the same; only the sidecar's count of restores misses it.
+            log.warning("rank %d could not report its restore of step %d to the sidecar, so the sidecar's log "
+                        "and stowaway_restores_total miss it: %s", self._rank, step, self._link.last_error)
 
     def _refuse_other_world(self, step: int | None, candidates: list[int], other_world: dict[int, int]) -> None:
         """Refuse ``step``, or a newest committed step, saved by another number of ranks.

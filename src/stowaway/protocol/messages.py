@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, overload
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # \Z, not $: "$" also matches before a trailing newline, which would let "job\n" name a directory.
 JOB_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
@@ -56,6 +57,8 @@ _UNIONS = (types.UnionType, typing.Union)
 Int64 = Annotated[int, _Int64()]
 # A slot of one rank: slot files are named with two digits, and a rank has at most this many.
 SlotIndex = Annotated[int, _SlotIndex()]
+# Where load() found the step it restored: a slot that still held it, or the storage (staged into a slot).
+RestoreSource = Literal["memory", "storage"]
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,21 @@ class Stage(ToSidecar):
     TYPE: ClassVar[str] = "stage"
     step: Int64
     slot: SlotIndex
+
+
+@dataclass(frozen=True)
+class Restored(ToSidecar):
+    """``load()`` restored ``step`` on this rank, taking ``seconds`` in all: a report, which gets no answer.
+
+    Only the rank knows a restore from memory happened (it reads its slot
+    without asking), so it tells the sidecar, whose log and metrics are what
+    an operator can see.
+    """
+
+    TYPE: ClassVar[str] = "restored"
+    step: Int64
+    source: RestoreSource
+    seconds: float
 
 
 # Sidecar -> client.
@@ -259,7 +277,7 @@ class Direction(enum.Enum):
 
 
 _KINDS: dict[Direction, Mapping[str, type[Message]]] = {
-    Direction.TO_SIDECAR: {kind.TYPE: kind for kind in (Hello, Register, Persist, Query, Stage)},
+    Direction.TO_SIDECAR: {kind.TYPE: kind for kind in (Hello, Register, Persist, Query, Stage, Restored)},
     Direction.TO_CLIENT: {
         kind.TYPE: kind
         for kind in (Welcome, Registered, Released, Persisted, Committed, Failed, Inventory, Staged, Error)
@@ -339,6 +357,11 @@ def _typed(hint: object, value: object, where: str) -> object:
         if not _matches(base, value):
             raise MessageError(f"{where} must be {_describe(hint)}, got {type(value).__name__}")
         return _typed(base, value, where)
+    if typing.get_origin(hint) is Literal:
+        # Compared by type too, so that a literal 1 would not take 1.0 (1 == 1.0 in Python, not on the wire).
+        if not any(type(value) is type(allowed) and value == allowed for allowed in typing.get_args(hint)):
+            raise MessageError(f"{where} must be {_describe(hint)}, got {reprlib.repr(value)}")
+        return value
     if not _matches(hint, value):
         raise MessageError(f"{where} must be {_describe(hint)}, got {type(value).__name__}")
     if typing.get_origin(hint) is tuple:
@@ -380,6 +403,8 @@ def _describe(hint: object) -> str:
         return " or ".join(_describe(arg) for arg in typing.get_args(hint))
     if typing.get_origin(hint) is tuple:
         return "list"
+    if typing.get_origin(hint) is Literal:
+        return " or ".join(repr(allowed) for allowed in typing.get_args(hint))
     if hint is float:
         return "int or float"
     if isinstance(hint, type) and issubclass(hint, Record):

@@ -3,10 +3,10 @@
 Every series lives in a registry of its own (never the library's global one), so
 two sidecars in one process, or a test, cannot see each other's numbers.
 
-Labels are bounded on purpose: a failure's ``reason`` comes from a fixed list,
-and there is no step, rank, path or job label. A sidecar serves the ranks of
-one pod; which job and pod it belongs to is what Prometheus's target labels
-(namespace, pod, job) already say.
+Labels are bounded on purpose: a failure's ``reason`` and a restore's
+``source`` come from fixed lists, and there is no step, rank, path or job
+label. A sidecar serves the ranks of one pod; which job and pod it belongs to
+is what Prometheus's target labels (namespace, pod, job) already say.
 
 Throughput has no series of its own: ``stowaway_persisted_bytes_total`` divided
 by ``stowaway_persist_duration_seconds_sum`` (both as ``rate``) is the
@@ -18,12 +18,15 @@ quantiles could not be added up across pods.
 from __future__ import annotations
 
 import logging
+import typing
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
+
+from stowaway.protocol import messages
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,9 @@ FAILURE_REASONS = (
     "other_node_failed", "protocol", "peer_refused", "internal", "restore_missing", "restore_slot_small",
     "restore_io", "restore_corrupt", "step_refused",
 )
+
+# Where a rank's load() may have found the step it restored; the protocol validates the label's value.
+RESTORE_SOURCES: tuple[str, ...] = typing.get_args(messages.RestoreSource)
 
 
 class SidecarMetrics:
@@ -77,6 +83,19 @@ class SidecarMetrics:
         )
         for reason in FAILURE_REASONS:
             self.failures.labels(reason)
+        self.restores = Counter(
+            "stowaway_restores", "Steps restored by load() on a rank of this sidecar, by where they came from.",
+            ["source"], registry=r,
+        )
+        self.restore_duration = Histogram(
+            "stowaway_restore_duration_seconds",
+            "Time load() took on a rank, as measured by the rank, by where the restored step came from.",
+            ["source"], buckets=BUCKETS, registry=r,
+        )
+        # Both sources from the start, so that "no restore from memory" is a 0 and not a missing series.
+        for source in RESTORE_SOURCES:
+            self.restores.labels(source)
+            self.restore_duration.labels(source)
         self.last_committed_step = Gauge(
             "stowaway_last_committed_step", "Highest step this sidecar saw committed; -1 before the first.",
             registry=r,

@@ -122,6 +122,14 @@ class Session:
         await committer.settled(state.job)
         self.send(await asyncio.to_thread(restore.inventory, committer.job_path(state.job), state))
 
+    @_HANDLERS.on(messages.Restored)
+    async def _restored(self, message: messages.Restored) -> None:
+        """Log and count a rank's restore: the one place that shows a restarted rank came back from memory."""
+        state = self._rank()
+        log.info("rank %d of job %s restored step %d from %s in %.3f s", state.rank, state.job, message.step,
+                 message.source, message.seconds)
+        self._sidecar.stats.restored(message.source, message.seconds)
+
     def _owned_slot(self, state: RankState, index: int, action: str) -> None:
         if index not in state.slots:
             raise SessionClosed(f"{action} names slot {index}, which was never registered")

@@ -25,6 +25,7 @@ class Stats:
         self._commits = 0
         self._last_committed_step = -1
         self._failures: Counter[str] = Counter()
+        self._restores: Counter[str] = Counter()
 
     def watch(self, ranks_connected: Callable[[], int], slots_in_flight: Callable[[], int],
               connected_since: Callable[[], float | None]) -> None:
@@ -40,6 +41,14 @@ class Stats:
         if _duration(blocking) and _duration(slot_wait):
             self.metrics.save_blocking.observe(blocking)
             self.metrics.slot_wait.observe(slot_wait)
+
+    def restored(self, source: str, seconds: float) -> None:
+        """A rank's report of one restore; its duration is the rank's measurement, so nonsense is dropped."""
+        self.metrics.restores.labels(source).inc()
+        if _duration(seconds):
+            self.metrics.restore_duration.labels(source).observe(seconds)
+        with self._lock:
+            self._restores[source] += 1
 
     def persist_finished(self, nbytes: int, seconds: float) -> None:
         self.metrics.persist_duration.observe(seconds)
@@ -69,6 +78,7 @@ class Stats:
                 "commits": self._commits,
                 "last_committed_step": self._last_committed_step,
                 "failures": dict(self._failures),
+                "restores": dict(self._restores),
             }
 
 
