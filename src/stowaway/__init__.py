@@ -2,6 +2,7 @@
 
     ckpt = Checkpointer()                 # job, socket and ranks from the environment
     restored = ckpt.load()                # (step, state) or None
+    ckpt.last_restore                     # Restore(step, source="memory" or "storage", seconds) or None
     handle = ckpt.save(step, state)       # returns once the state is in shared memory
     handle.wait()                         # optional: until the checkpoint is committed
 
@@ -30,12 +31,14 @@ if TYPE_CHECKING:
     from stowaway.client.checkpointer import Checkpointer
     from stowaway.client.handle import SaveHandle
     from stowaway.client.offline import read_checkpoint
+    from stowaway.client.restorer import Restore
 
 __all__ = [
     "CheckpointCorrupt",
     "Checkpointer",
     "ConfigurationError",
     "ProtocolError",
+    "Restore",
     "SaveFailed",
     "SaveHandle",
     "ShmCapacityError",
@@ -57,6 +60,10 @@ def __getattr__(name: str) -> Any:
         from stowaway.client.handle import SaveHandle
 
         return SaveHandle
+    if name == "Restore":
+        from stowaway.client.restorer import Restore
+
+        return Restore
     if name == "read_checkpoint":
         from stowaway.client.offline import read_checkpoint
 

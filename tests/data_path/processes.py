@@ -162,6 +162,11 @@ class RankProcess:
     def wait(self, step: int, timeout: float = 30) -> dict[str, Any]:
         return self.call(op="wait", step=step, timeout=timeout)
 
+    def last_restore(self) -> dict[str, Any] | None:
+        """The checkpointer's ``last_restore``, as a dict (step, source, seconds), or None."""
+        restore: dict[str, Any] | None = self.call(op="last_restore")["restore"]
+        return restore
+
     def done(self, step: int) -> bool:
         return bool(self.call(op="done", step=step)["done"])
 

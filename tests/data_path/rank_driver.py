@@ -6,6 +6,7 @@ stored or restored checkpoint without trusting the code under test.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -64,6 +65,9 @@ def main() -> None:
                     if into is not None:
                         answer["in_place"] = state["w"] is into["w"]
                     reply(answer)
+            elif op == "last_restore":
+                last = ckpt.last_restore
+                reply({"restore": None if last is None else dataclasses.asdict(last)})
             elif op == "join_group":
                 # Blocks until every rank of the group has joined: send it to all of them before reading.
                 dist.init_process_group("gloo", init_method=f"file://{command['store']}", rank=ckpt.rank,

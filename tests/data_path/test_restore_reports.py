@@ -1,8 +1,9 @@
-"""Every restore a rank makes shows in its sidecar: a log line and the restore series, by where the step came from.
+"""Every restore a rank makes shows in its sidecar, and in the rank's ``last_restore``, by where the step came from.
 
 A user proves that a restarted trainer came back from shared memory, and not
 from storage, with the sidecar's log and /metrics alone; so these tests read
-nothing else to tell the two apart. Ranks restart in place (the sidecar and
+nothing else to tell the two apart, and then check that the trainer's own
+``Checkpointer.last_restore`` says the same, with the time the sidecar logged. Ranks restart in place (the sidecar and
 its shared memory stay, as when a container restarts in its pod) or next to
 a new sidecar with empty shared memory (a rescheduled pod).
 """
@@ -10,6 +11,7 @@ a new sidecar with empty shared memory (a rescheduled pod).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from metrics.promtools import free_port, http_get, samples
 
@@ -40,12 +42,19 @@ def reported(rank: int, step: int, source: str) -> re.Pattern[str]:
     return re.compile(rf"rank {rank} of job {JOB} restored step {step} from {source} in \d+\.\d{{3}} s")
 
 
+def logged_seconds(restore: dict[str, Any]) -> str:
+    """The duration of ``last_restore`` as the sidecar's log line prints it: the same measurement, reported."""
+    return f" in {restore['seconds']:.3f} s"
+
+
 def test_ranks_restarted_in_place_are_logged_and_counted_as_restores_from_memory(start_sidecar, start_rank):
     port = free_port()
     sidecar = start_sidecar(extra=metrics_flags(port))
     ranks = [start_rank(sidecar, job=JOB, rank=rank, world_size=2) for rank in range(2)]
     for rank in ranks:
+        assert rank.last_restore() is None, "no load() yet"
         assert rank.call(op="load") == {"step": None}
+        assert rank.last_restore() is None, "a load() that found nothing restored nothing"
     for step in (11, 12):
         for rank in ranks:
             rank.save(step)
@@ -63,8 +72,11 @@ def test_ranks_restarted_in_place_are_logged_and_counted_as_restores_from_memory
     wait_for(lambda: restores(port)["memory"] == (2, 2), "the sidecar to count both ranks' restores from memory")
     assert restores(port)["storage"] == (0, 0)
     log = sidecar.log()
-    for rank in range(2):
-        assert reported(rank, 12, "memory").search(log), log
+    for number, rank in enumerate(restarted):
+        assert reported(number, 12, "memory").search(log), log
+        restore = rank.last_restore()
+        assert restore is not None and (restore["step"], restore["source"]) == (12, "memory"), restore
+        assert f"rank {number} of job {JOB} restored step 12 from memory{logged_seconds(restore)}" in log, log
     assert "from storage" not in log, log
 
 
@@ -94,4 +106,7 @@ def test_a_rank_in_a_rescheduled_pod_is_logged_and_counted_once_as_a_restore_fro
     assert found['stowaway_failures_total{reason="restore_corrupt"}'] == 1
     log = new_pod.log()
     assert reported(0, 11, "storage").search(log), log
+    restore = fresh.last_restore()
+    assert restore is not None and (restore["step"], restore["source"]) == (11, "storage"), restore
+    assert f"rank 0 of job {JOB} restored step 11 from storage{logged_seconds(restore)}" in log, log
     assert "restored step 12" not in log and "from memory" not in log, log

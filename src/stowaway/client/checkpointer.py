@@ -185,8 +185,20 @@ class Checkpointer:
 
         Raises ``WorldSizeChanged`` when the newest committed step (or
         ``step``) was saved by another number of ranks.
+
+        Where the step came from, memory or storage, is ``last_restore``.
         """
         return self._restorer.load(step, map_location, device_mesh, into)
+
+    @property
+    def last_restore(self) -> restorer.Restore | None:
+        """What the last ``load()`` restored (step, ``"memory"`` or ``"storage"``, seconds); None if nothing.
+
+        None before any ``load()``, and after one that found nothing to
+        restore or raised. A trainer that expected to come back from memory
+        and did not (its slots were gone) can tell it here, and log it.
+        """
+        return self._restorer.last
 
     @property
     def slots_in_flight(self) -> int:

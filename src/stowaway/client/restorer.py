@@ -6,8 +6,9 @@ the candidates (``agreement``), refusing a step saved by another number of
 ranks; then try the candidates newest first, each from memory if a slot
 holds it, else staged from storage into a slot by the sidecar, and fall back
 to the next older one, on every rank alike, when any rank fails to restore it.
-Once a step is restored, tell the sidecar where it came from and how long
-``load()`` took: a restore from memory involves no request the sidecar would
+Once a step is restored, keep where it came from and how long ``load()``
+took (``Restore``, the checkpointer's ``last_restore``), log it, and tell
+the sidecar: a restore from memory involves no request the sidecar would
 otherwise see, and its log and metrics are where an operator looks.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from stowaway.client import agreement, env
@@ -37,6 +39,22 @@ from stowaway.slots import header
 log = logging.getLogger("stowaway")
 
 
+@dataclass(frozen=True)
+class Restore:
+    """What a ``load()`` restored: the step, where this rank read it from, and how long the whole call took.
+
+    ``source`` is ``"memory"`` when a slot still held the step (a trainer
+    restarted next to its sidecar), ``"storage"`` when the sidecar staged it
+    from storage (a new pod, or a step no slot held any more): the two differ
+    in speed by orders of magnitude, and ``load()``'s own return value
+    cannot say which without breaking every caller that unpacks it.
+    """
+
+    step: int
+    source: messages.RestoreSource
+    seconds: float
+
+
 class Restorer:
     def __init__(self, job: str, rank: int, world_size: int, local_world_size: int, allow_pickle: bool,
                  run: env.RunId, link: Link, slots: RankSlots) -> None:
@@ -46,9 +64,12 @@ class Restorer:
         self._run = run
         self._link = link
         self._slots = slots
+        # The restore the last load() made; None before the first, and after one that restored nothing or raised.
+        self.last: Restore | None = None
 
     def load(self, step: int | None, map_location: Any, device_mesh: Any, into: Any) -> tuple[int, Any] | None:
         started = time.monotonic()
+        self.last = None
         meshes = dtensors.given_meshes(device_mesh)
         if self._world_size > self._local_world_size and not agreement.active(self._world_size):
             # Each node's sidecar answers alone, and a commit landing between two nodes' questions (as
@@ -94,7 +115,8 @@ class Restorer:
             for rank, reason in refusals:
                 raise UnsupportedState(f"rank {rank}: {reason}")
             if not failures:
-                self._report(candidate, source, time.monotonic() - started)
+                self.last = Restore(candidate, source, time.monotonic() - started)
+                self._report(self.last)
                 return candidate, state
             for rank, reason in failures:
                 problems.append(f"step {candidate} rank {rank}: {reason}")
@@ -112,12 +134,13 @@ class Restorer:
             )
         return None
 
-    def _report(self, step: int, source: messages.RestoreSource, seconds: float) -> None:
-        log.info("rank %d restored step %d from %s in %.3f s", self._rank, step, source, seconds)
-        if not self._link.send(messages.Restored(step=step, source=source, seconds=seconds)):
+    def _report(self, restore: Restore) -> None:
+        log.info("rank %d restored step %d from %s in %.3f s", self._rank, restore.step, restore.source,
+                 restore.seconds)
+        if not self._link.send(messages.Restored(step=restore.step, source=restore.source, seconds=restore.seconds)):
             # The step is restored all the same; only the sidecar's count of restores misses it.
             log.warning("rank %d could not report its restore of step %d to the sidecar, so the sidecar's log "
-                        "and stowaway_restores_total miss it: %s", self._rank, step, self._link.last_error)
+                        "and stowaway_restores_total miss it: %s", self._rank, restore.step, self._link.last_error)
 
     def _refuse_other_world(self, step: int | None, candidates: list[int], other_world: dict[int, int]) -> None:
         """Refuse ``step``, or a newest committed step, saved by another number of ranks.
