@@ -44,6 +44,9 @@ class Link:
         self._lock = lock
         self._listener: Listener | None = None
         self.connected = False
+        # Connections lost so far: a request waits for its answer on the connection it was sent on, and the
+        # reader may have reconnected by the time the waiting thread sees that one end.
+        self._losses = 0
         # Why the sidecar refused this rank's last hello; cleared by a welcome.
         self._refusal: str | None = None
         self._violation: str | None = None
@@ -75,7 +78,8 @@ class Link:
             if not self._connection.send(message):
                 raise SidecarUnavailable(f"rank {self._rank}: cannot send {message.TYPE} to the sidecar: "
                                          f"{self._connection.last_error}")
-        self.wait_until(lambda: answer in self._answers or not self.connected,
+            sent_after = self._losses
+        self.wait_until(lambda: answer in self._answers or self._losses != sent_after,
                         f"the sidecar's answer to {message.TYPE}", SidecarUnavailable)
         with self._lock:
             if answer not in self._answers:
@@ -130,6 +134,7 @@ class Link:
     def _lost(self, reason: str) -> None:
         with self._lock:
             self.connected = False
+            self._losses += 1
             self._require_listener().lost(reason)
             self._lock.notify_all()
 
