@@ -1,12 +1,19 @@
-"""The rank's slot files: found, allocated, grown and mapped.
+"""The rank's slot files: found, allocated, grown, mapped, and allocated anew when the sidecar lost them.
 
 Which of them the rank may write at a given moment is the ledger's to say
 (``ledger``); this module only ever touches a slot the caller has been
 given by it.
+
+The sidecar opens a slot by its path in its own shared-memory directory
+(``register``), so a mapping is of use only while that path names its file.
+A sidecar that comes back with an emptied directory, or with another one,
+cannot open the files the rank still maps: such a slot is forgotten and
+allocated again, in the sidecar's directory, before it is next registered.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +23,8 @@ from stowaway.client import pinned
 from stowaway.format import codec
 from stowaway.format.safetensors_header import Layout, Placed
 from stowaway.slots import header, naming, shm
+
+log = logging.getLogger("stowaway")
 
 HEADROOM = 1.10
 
@@ -100,8 +109,45 @@ class SlotPool:
             slot.generation = found.generation
             slot.registered = False
 
+    def forget_if_lost(self, slot: ClientSlot) -> None:
+        """Forget ``slot`` (which the rank holds) if the sidecar could not open its file, to register it anew.
+
+        Checked only for a slot not registered on the current connection: a
+        registered one the sidecar has opened, and both sides map the same
+        file, whatever has become of its name since.
+        """
+        if slot.registered or slot.file is None:
+            return
+        if slot.file.linked_at(naming.slot_path(self.shm_dir, self.job, self.rank, slot.index)):
+            return
+        log.warning("rank %d: slot %d (%s) is not in the sidecar's shared memory %s: the sidecar came back with an "
+                    "emptied or another directory; the slot is allocated there anew, and the steps it held can "
+                    "be restored from storage only", self.rank, slot.index, slot.file.path, self.shm_dir)
+        self._forget(slot)
+
+    def _forget(self, slot: ClientSlot) -> None:
+        """Drop the mapping of ``slot``, whose file the sidecar cannot open any more.
+
+        A file that still has its name (in a directory the sidecar left) is
+        unlinked too: shared memory is freed only with the last name and
+        mapping, and counts against the pod's memory until then. The slot's
+        generation is kept, so its next write is still newer than any the
+        sidecar saw from it.
+        """
+        assert slot.file is not None
+        slot.drop_view()
+        if slot.file.linked_at(slot.file.path):
+            slot.file.path.unlink(missing_ok=True)
+        slot.file.close()
+        slot.file = None
+
     def ensure_capacity(self, slot: ClientSlot, nbytes: int) -> None:
-        """Allocate or grow ``slot`` (which the rank holds: writing or allocating it) to hold ``nbytes``."""
+        """Allocate or grow ``slot`` (which the rank holds: writing or allocating it) to hold ``nbytes``.
+
+        Allocated anew, in the sidecar's directory, when the sidecar could not
+        open its file (``forget_if_lost``).
+        """
+        self.forget_if_lost(slot)
         if slot.capacity >= nbytes:
             return
         target = int(nbytes * HEADROOM) if slot.file is not None else nbytes

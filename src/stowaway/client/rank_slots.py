@@ -42,11 +42,19 @@ class RankSlots:
             return self._pool
 
     def welcomed(self, welcome: messages.Welcome) -> None:
-        """A (new) connection: the sidecar has no slot open on it, and says which it still holds (lock held)."""
+        """A (new) connection: the sidecar has no slot open on it, and says which it still holds (lock held).
+
+        A restarted sidecar may name another directory than the last one:
+        slots are allocated there from now on, and each slot whose file it
+        would not find is allocated anew once the rank holds it
+        (``SlotPool.forget_if_lost``), not here, where another thread may be
+        writing it or the sidecar may still be reading it.
+        """
         if self._pool is None:
             self._pool = SlotPool(Path(welcome.shm_dir), self._job, self._rank, self._count, self._local_world_size)
             self._pool.adopt_existing()
             self._spares = SpareSlots(self._pool, self._ledger)
+        self._pool.shm_dir = Path(welcome.shm_dir)
         for slot in self._pool.slots:
             slot.registered = False
         self._ledger.welcomed(set(welcome.busy))
@@ -87,11 +95,18 @@ class RankSlots:
             slot.registered = True
 
     def register_idle(self) -> None:
-        """Have the sidecar open every idle slot with a file, so that it can tell which steps they hold."""
+        """Have the sidecar open every idle slot with a file, so that it can tell which steps they hold.
+
+        Only the training thread takes or lends slots, and ``load`` calls this
+        on it, so the idle slots stay idle meanwhile. One whose file the
+        sidecar would not find is forgotten instead: registering it would fail.
+        """
         pool = self.pool
         for index in self._ledger.idle():
-            if pool.slots[index].file is not None:
-                self.register(pool.slots[index])
+            slot = pool.slots[index]
+            pool.forget_if_lost(slot)
+            if slot.file is not None:
+                self.register(slot)
 
     def persist(self, slot: ClientSlot, request: messages.Persist) -> bool:
         """Hand the taken ``slot`` to the sidecar to persist (lock held); False when the connection is down."""

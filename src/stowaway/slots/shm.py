@@ -133,6 +133,19 @@ class SlotFile:
         self._remap()
         header.write_empty(self.header_view, size - header.HEADER_BYTES)
 
+    def linked_at(self, path: Path) -> bool:
+        """Whether ``path`` names this very file, so that whoever opens it there maps what this mapping maps.
+
+        A directory emptied under a live mapping, or replaced by another one,
+        leaves the mapping on a file nobody else can open any more.
+        """
+        try:
+            named = os.stat(path, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        mine = os.fstat(self._fd)
+        return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
+
     @property
     def owner_uid(self) -> int:
         return os.fstat(self._fd).st_uid
