@@ -111,6 +111,7 @@ def test_a_trainer_mounting_a_reserved_volume_name_it_did_not_declare_is_refused
 def test_sidecar_is_non_root_read_only_without_capabilities_confined_and_knows_its_node() -> None:
     sidecar = injected()["spec"]["initContainers"][0]
     assert sidecar["securityContext"] == {
+        "runAsUser": 65532, "runAsGroup": 65532,
         "runAsNonRoot": True, "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
     }
@@ -215,6 +216,12 @@ def test_trainer_uids_are_allowed_on_the_socket() -> None:
     pod["spec"]["containers"][0]["securityContext"] = {"runAsUser": 2000}
     command = injected(pod)["spec"]["initContainers"][0]["command"]
     assert command[-4:] == ["--allow-uid", "1000", "--allow-uid", "2000"]
+
+
+def test_the_sidecar_runs_as_its_own_uid_whatever_uid_the_pod_gives_its_trainer() -> None:
+    pod = job_pod(securityContext={"runAsUser": 1000, "runAsGroup": 1000})
+    sidecar = injected(pod)["spec"]["initContainers"][0]
+    assert (sidecar["securityContext"]["runAsUser"], sidecar["securityContext"]["runAsGroup"]) == (65532, 65532)
 
 
 def test_a_pod_without_an_fs_group_gets_the_sidecars_group_so_both_sides_share_files() -> None:

@@ -52,7 +52,9 @@ SLOT_DIR = f"{SHM_PATH}/stowaway"
 SOCKET_DIR = "/var/run/stowaway"
 SOCKET_PATH = f"{SOCKET_DIR}/sidecar/sidecar.sock"
 STORAGE_PATH = "/var/lib/stowaway/storage"
-# The group of the sidecar image (Dockerfile: USER 65532:65532), the fsGroup of pods that set none.
+# The user and group of the sidecar image (Dockerfile: USER 65532:65532); the group is the fsGroup of pods that
+# set none.
+SIDECAR_UID = 65532
 SIDECAR_GID = 65532
 
 # Labels naming the job a pod belongs to, most specific "whole job" first: a JobSet
@@ -73,6 +75,10 @@ STARTUP_PROBE = {
 # Everything the "restricted" Pod Security Standard asks of each container, so that injecting the sidecar
 # never makes a compliant pod non-compliant (a pod may set seccomp per container rather than for the pod).
 SIDECAR_SECURITY = {
+    # Set on the container, or a pod-level runAsUser (the trainer's) would run the sidecar too, and the
+    # checkpoints on the claim would belong to whichever uid each job's trainer has.
+    "runAsUser": SIDECAR_UID,
+    "runAsGroup": SIDECAR_GID,
     "runAsNonRoot": True,
     "readOnlyRootFilesystem": True,
     "allowPrivilegeEscalation": False,
