@@ -6,14 +6,19 @@ Run it through the local launcher (see the README):
 
 Interrupt it and run it again: it resumes at the next step with parameters,
 optimizer, LR scheduler and RNG states exactly as an uninterrupted run has them.
+``--fingerprints`` prints a digest of the model after every step, so two runs
+can be compared step by step; ``--pace`` stands in for the compute of a bigger
+model, leaving time to watch a run or interrupt it (examples/kubernetes/).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 import statistics
+import time
 
 import numpy as np
 import torch
@@ -22,16 +27,16 @@ from torch import nn
 
 from stowaway import Checkpointer
 
-VOCAB, WIDTH, CONTEXT = 256, 64, 32
+VOCAB, CONTEXT = 256, 32
 
 
 class TinyLM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        layer = nn.TransformerEncoderLayer(WIDTH, nhead=4, dim_feedforward=4 * WIDTH, dropout=0.1, batch_first=True)
+        self.embed = nn.Embedding(VOCAB, width)
+        layer = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=4 * width, dropout=0.1, batch_first=True)
         self.body = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head = nn.Linear(width, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied: stored once, restored as one tensor
         nn.init.normal_(self.embed.weight, std=0.02)
 
@@ -57,6 +62,15 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: objec
     random.setstate(state["rng"]["python"])
 
 
+def fingerprint(model: nn.Module) -> str:
+    """A digest of every parameter's bytes: equal only when the models are bit-identical."""
+    digest = hashlib.sha256()
+    for name, value in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(value.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def batch() -> torch.Tensor:
     """Draws from all three RNGs, so a resume is bit-identical only if all three are restored."""
     offset = random.randrange(VOCAB) + int(np.random.randint(VOCAB))
@@ -66,6 +80,12 @@ def batch() -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--width", type=int, default=64,
+                        help="the model's width, a multiple of 4: checkpoints grow with its square")
+    parser.add_argument("--pace", type=float, default=0.0, metavar="SECONDS",
+                        help="wait this long after each step, as a bigger model's compute would")
+    parser.add_argument("--fingerprints", action="store_true",
+                        help="print the loss and a digest of the model after every step (rank 0)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -75,7 +95,7 @@ def main() -> None:
     random.seed(1234 + rank)
     torch.use_deterministic_algorithms(True)
 
-    model = nn.parallel.DistributedDataParallel(TinyLM())
+    model = nn.parallel.DistributedDataParallel(TinyLM(args.width))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=5)
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(args.steps, 1))
@@ -101,8 +121,11 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             handles.append(ckpt.save(step, training_state(model.module, optimizer, scheduler)))
-            if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+            if rank == 0 and args.fingerprints:
+                print(f"step {step:4d}  loss {loss.item()!r}  model {fingerprint(model.module)}", flush=True)
+            elif rank == 0 and (step % 10 == 0 or step == args.steps - 1):
                 print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
+            time.sleep(args.pace)
         committed = []
         for handle in handles:
             handle.wait()

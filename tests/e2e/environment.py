@@ -45,6 +45,8 @@ class Environment:
     # The kind cluster this session created or started (stopped afterwards); None when it was running already
     # or the cluster was given.
     started_cluster: str | None
+    # A Prometheus built with Kubernetes service discovery (Debian's has none), when a cluster was prepared.
+    prometheus: Path | None = None
 
 
 def _run(script: str, *args: str, env: dict[str, str] | None = None) -> str:
@@ -98,17 +100,19 @@ def prepare(*, needs_cluster: bool, external_kubeconfig: str | None) -> Environm
         if not needs_cluster:
             return Environment(started_docker=started, kubeconfig=None, started_cluster=None)
         _build_clients()
+        prometheus = Path(_run("gobuild", "prometheus").strip().split("=", 1)[1]) / "prometheus"
         if external_kubeconfig:
             path = Path(external_kubeconfig.split(os.pathsep)[0]).expanduser().resolve()
             name = kind_cluster_of(path)
             if name is not None:
                 _load_images(name)
-            return Environment(started_docker=started, kubeconfig=path, started_cluster=None)
+            return Environment(started_docker=started, kubeconfig=path, started_cluster=None, prometheus=prometheus)
         name = os.environ.get(CLUSTER_ENV, "stowaway-e2e")
         fields = dict(line.split("=", 1) for line in _run("cluster", "up").splitlines() if "=" in line)
         cluster = name if fields.get("started") == "true" else None
         _load_images(name)
-        return Environment(started_docker=started, kubeconfig=Path(fields["kubeconfig"]), started_cluster=cluster)
+        return Environment(started_docker=started, kubeconfig=Path(fields["kubeconfig"]), started_cluster=cluster,
+                           prometheus=prometheus)
     except SetupFailed:
         teardown(Environment(started_docker=started, kubeconfig=None, started_cluster=cluster))
         raise

@@ -7,19 +7,20 @@ TLS material the operator made for itself (``webhook.tls.mode=operator``).
 from __future__ import annotations
 
 import base64
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from k8s.cluster import Cluster
-from k8s.operator_fixtures import CHART, REPO, webhook_answers
+from k8s.operator_fixtures import REPO, webhook_answers
 from k8s.wait import eventually
 from kubernetes import client
 
 from . import objects
+from .chart import installed_chart
 from .diagnostics import namespace_report
 from .environment import DEPLOY_IMAGE, PRODUCT_IMAGE
+from .namespaces import fresh_namespace
 
 pytestmark = pytest.mark.e2e
 
@@ -33,31 +34,14 @@ def operator_namespace(k8s_api: client.ApiClient) -> Iterator[str]:
     Long enough that the Service's DNS name (<release>-stowaway.<namespace>.svc) exceeds the 64 characters an
     X.509 common name may hold: the operator's certificate must carry it in its SANs only.
     """
-    name = f"stowaway-e2e-operator-with-a-long-namespace-{uuid.uuid4().hex[:6]}"
-    core = client.CoreV1Api(k8s_api)
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels={"stowaway.test": "true"})))
-    try:
+    with fresh_namespace(k8s_api, "stowaway-e2e-operator-with-a-long-namespace") as name:
         yield name
-    finally:
-        core.delete_namespace(name)
 
 
 @pytest.fixture
 def installed(k8s_cluster: Cluster, operator_namespace: str) -> Iterator[str]:
-    """The chart installed, uninstalled afterwards (its webhook must not outlive the test)."""
-    release = f"s{uuid.uuid4().hex[:6]}"
-    repository, tag = PRODUCT_IMAGE.rsplit(":", 1)
-    try:
-        result = k8s_cluster.run(
-            "helm", "install", release, str(CHART), "--namespace", operator_namespace,
-            "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-            "--set", "image.pullPolicy=Never", "--set", "webhook.tls.mode=operator",
-            "--wait", "--timeout", "180s", timeout=240, check=False)
-        assert result.returncode == 0, f"helm install failed: {result.stderr}\n" + namespace_report(
-            k8s_cluster, operator_namespace)
+    with installed_chart(k8s_cluster, operator_namespace) as release:
         yield release
-    finally:
-        k8s_cluster.run("helm", "uninstall", release, "--namespace", operator_namespace, "--wait", check=False)
 
 
 def assert_operator_serves_its_webhook_through_the_service(

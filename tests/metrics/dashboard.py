@@ -54,7 +54,16 @@ def _targets(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def with_all_selected(expr: str) -> str:
-    for variable, value in ALL_SELECTED.items():
+    return _substituted(expr, ALL_SELECTED)
+
+
+def with_selected(expr: str, namespace: str, job: str) -> str:
+    """``expr`` as Grafana sends it when one namespace and one job are picked (names with no regex characters)."""
+    return _substituted(expr, {**ALL_SELECTED, "$namespace": namespace, "$job": job})
+
+
+def _substituted(expr: str, values: dict[str, str]) -> str:
+    for variable, value in values.items():
         expr = expr.replace(variable, value)
     assert "$" not in expr, f"unknown variable in {expr}"
     return expr

@@ -75,22 +75,30 @@ def sample_names(exposition: str) -> set[str]:
 
 
 class PrometheusServer:
-    """A real Prometheus scraping one target every second, with its data in a short temp dir."""
+    """A real Prometheus scraping every second, with its data in a short temp dir.
 
-    def __init__(self, target: str) -> None:
+    It scrapes ``target`` (host:port), or what ``scrape_configs`` (Prometheus's own schema) describe, with
+    the ``prometheus`` of :func:`binary` unless ``executable`` names another build.
+    """
+
+    def __init__(self, target: str | None = None, scrape_configs: list[dict[str, Any]] | None = None,
+                 executable: str | None = None) -> None:
+        if scrape_configs is None:
+            assert target is not None, "give a target or scrape_configs"
+            scrape_configs = [{"job_name": "stowaway", "static_configs": [{"targets": [target]}]}]
         self.root = Path(tempfile.mkdtemp(prefix="prom", dir="/tmp"))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = self.root / "prometheus.yml"
         config.write_text(json.dumps({  # JSON is YAML
             "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
-            "scrape_configs": [{"job_name": "stowaway", "static_configs": [{"targets": [target]}]}],
+            "scrape_configs": scrape_configs,
         }))
         self.log_path = self.root / "prometheus.log"
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                [binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={self.root / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}"],
+                [executable or binary("prometheus"), f"--config.file={config}",
+                 f"--storage.tsdb.path={self.root / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}"],
                 stdout=log, stderr=subprocess.STDOUT,
             )
         wait_for(self._ready, "prometheus to be ready")
