@@ -2,11 +2,18 @@
 
 Sizes are totals across the local ranks, so the same bytes are compared from
 1 to 8 ranks. All shared memory and scratch files are removed afterwards.
+Where this Python has DLRover (the harness's own environment, ``python -m
+bench.env``, does), each configuration also gets DLRover's saver, started
+as its agent would start it (``bench.dlrover_saver``), and the ranks measure
+DLRover after the other peers; with ``--out``, the charts are drawn too
+where matplotlib is installed (``bench.charts``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -19,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench import report, system
+from bench import charts, dlrover_saver, report, system
 from stowaway.cli import run_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,9 +40,11 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def run_config(total: int, ranks: int, reps: int, storage: Path, device: str) -> dict[str, object]:
+def run_config(total: int, ranks: int, reps: int, storage: Path, device: str, dlrover: bool) -> dict[str, object]:
     workdir = Path(tempfile.mkdtemp(prefix="stwb-", dir="/tmp"))
     shm_dir = Path(tempfile.mkdtemp(prefix="stowaway-bench-", dir="/dev/shm"))
+    # torchrun's rendezvous id, and so the TORCHELASTIC_RUN_ID of the ranks, by which DLRover finds its saver.
+    run_id = workdir.name
     scratch = storage / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
     socket_path = workdir / "s.sock"
@@ -46,38 +55,64 @@ def run_config(total: int, ranks: int, reps: int, storage: Path, device: str) ->
          "--log-level", "WARNING"],
         start_new_session=True,
     )
+    saver = None
     try:
         run_cmd.wait_for_socket(sidecar, socket_path)
-        private = system.Peak(lambda: system.status_bytes(sidecar.pid, "RssAnon"))
         python_path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
         env = dict(os.environ, STOWAWAY_SOCKET=str(socket_path), STOWAWAY_JOB=f"bench-{total}-{ranks}",
-                   PYTHONPATH=python_path, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)))
-        subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-             "-m", "bench.worker", "--total-bytes", str(total), "--reps", str(reps), "--scratch", str(scratch),
-             "--out", str(out), "--device", device],
-            env=env, check=True, cwd=ROOT,
-        )
+                   PYTHONPATH=python_path, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)),
+                   DLROVER_LOG_LEVEL="WARNING")
+        readers = {"sidecar_private": lambda: system.status_bytes(sidecar.pid, "RssAnon"),
+                   "stowaway_shm": lambda: system.shm_bytes(shm_dir)}
+        launch = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", run_id, "--nnodes", "1"]
+        measure = ["--total-bytes", str(total), "--reps", str(reps), "--scratch", str(scratch), "--out", str(out),
+                   "--device", device]
+        if dlrover:
+            saver = dlrover_saver.start(env, run_id, ROOT)
+            readers |= {"dlrover_saver_private": lambda: system.status_bytes(saver.pid, "RssAnon"),
+                        "dlrover_shm": lambda: system.shm_bytes(dlrover_saver.SHM_DIR,
+                                                                dlrover_saver.shm_prefix(run_id))}
+            launch += ["--role", "dlrover-trainer"]
+            measure.append("--dlrover")
+        peaks = system.Peaks(readers)
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", *launch, "--nproc-per-node", str(ranks),
+                 "-m", "bench.worker", *measure],
+                env=env, check=True, cwd=ROOT,
+            )
+        finally:
+            peak = peaks.stop()
         result = json.loads(out.read_text())
         result["ranks"] = ranks
         result["total"] = total
         result["cores"] = os.cpu_count()
         result["sidecar_peak_rss_bytes"] = system.status_bytes(sidecar.pid, "VmHWM")
-        result["sidecar_peak_private_bytes"] = private.stop()
+        result["sidecar_peak_private_bytes"] = peak["sidecar_private"]
+        result["stowaway_peak_shm_bytes"] = peak["stowaway_shm"]
+        if saver is not None:
+            result["dlrover_version"] = importlib.metadata.version("dlrover")
+            result["dlrover_saver_peak_rss_bytes"] = system.status_bytes(saver.pid, "VmHWM")
+            result["dlrover_saver_peak_private_bytes"] = peak["dlrover_saver_private"]
+            result["dlrover_peak_shm_bytes"] = peak["dlrover_shm"]
         return result
     finally:
+        if saver is not None:
+            dlrover_saver.stop(saver, run_id)
         run_cmd.stop_sidecar(sidecar, 60)
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(storage, ignore_errors=True)
 
 
-def machine(device: str) -> str:
+def machine(device: str, dlrover: bool) -> str:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     text = (f"{os.cpu_count()} cores, {memory / 2**30:.0f} GiB RAM, Linux {platform.release()}, "
             f"Python {platform.python_version()}")
     if device == "cuda":
         text += f", {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    if dlrover:
+        text += f", DLRover {importlib.metadata.version('dlrover')}"
     reported = system.reported_to_host_bytes()
     if reported:
         text += (f", hands freed memory back to its host (free page reporting, {reported / 2**40:.1f} TiB since boot): "
@@ -103,23 +138,33 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the training state lives; cuda measures the GPU-to-slot path against "
                              "plain and pinned device-to-host copies")
+    parser.add_argument("--no-dlrover", action="store_true",
+                        help="leave DLRover out even where it is installed (a run about Stowaway alone, or one "
+                             "short of memory: DLRover's phase holds its own copy of the state in shared memory)")
     args = parser.parse_args()
     if args.device == "cuda":
         require_cuda(parser)
     if args.storage.exists() and any(args.storage.iterdir()):
         parser.error(f"--storage {args.storage} is not empty; the benchmark deletes what it writes there, "
                      "so give it an empty or missing directory")
+    installed = importlib.util.find_spec("dlrover") is not None
+    dlrover = installed and not args.no_dlrover
+    if not installed and not args.no_dlrover:
+        print(f"bench: DLRover is not installed in this Python ({sys.executable}), so it is not measured; "
+              "hack/bench runs the harness from its own environment (python -m bench.env), which has it",
+              file=sys.stderr, flush=True)
     results = []
     for total in (parse_size(size) for size in args.sizes.split(",")):
         for ranks in (int(count) for count in args.ranks.split(",")):
             print(f"bench: {report.size_label(total)} across {ranks} rank(s)", file=sys.stderr, flush=True)
-            results.append(run_config(total, ranks, args.reps, args.storage, args.device))
+            results.append(run_config(total, ranks, args.reps, args.storage, args.device, dlrover))
     command = shlex.join(["python", "-m", "bench", *sys.argv[1:]])
-    text = report.markdown(results, command, machine(args.device))
+    text = report.markdown(results, command, machine(args.device, dlrover))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
         (args.out / "results.md").write_text(text)
+        charts.draw_or_say_why(results, args.out)
     print(text)
 
 

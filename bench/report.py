@@ -61,6 +61,22 @@ CONTEXT = (
     ("restore from storage / DCP load", "stowaway.restore.storage", (("dcp.load",),)),
 )
 
+# Stowaway against DLRover's flash checkpoint, and DLRover against the same physical references; shown where
+# the run measured DLRover (python -m bench.env's environment has it).
+DLROVER = (
+    ("save blocking / DLRover save to memory", "stowaway.save.steady", (("dlrover.save.steady",),)),
+    ("committed / DLRover committed + fsync", "stowaway.committed.steady", (("dlrover.committed_fsync",),)),
+    # DLRover's own "done": its tracker file names the step, while the rank files may still be in the page cache.
+    ("committed / DLRover committed, not fsynced", "stowaway.committed.steady", (("dlrover.committed",),)),
+    ("restore into the state / DLRover's", "stowaway.restore.memory_into", (("dlrover.restore.memory_into",),)),
+    ("restore from storage / DLRover's", "stowaway.restore.storage", (("dlrover.restore.storage",),)),
+    ("DLRover save to memory / copy reference", "dlrover.save.steady", (("reference.copy",),)),
+    ("DLRover committed + fsync / fastest write+fdatasync", "dlrover.committed_fsync",
+     (("reference.write_buffered", "reference.write_direct"),)),
+    ("DLRover restore into the state / copy-back reference", "dlrover.restore.memory_into",
+     (("reference.copy_back",),)),
+)
+
 # Wall time over the least it could take given the CPU it used: all ranks' CPU time spread over every core.
 # Near 1, the cores were busy throughout and the measurement is bound by CPU work; well above 1, by memory,
 # the device, or other processes (the sidecar among them).
@@ -106,6 +122,30 @@ ROWS = (
     ("dcp.async_save", "DCP async_save (blocking)"),
     ("dcp.async_save_done", "DCP async_save (completed)"),
     ("dcp.load", "DCP load (cold cache, in place)"),
+    ("dlrover.save.first", "DLRover save to memory, first (blocking)"),
+    ("dlrover.save.steady", "DLRover save to memory, steady (blocking)"),
+    ("dlrover.save_to_storage", "DLRover save to storage (blocking)"),
+    ("dlrover.committed", "DLRover committed: its tracker names the step (rank files not fsynced)"),
+    ("dlrover.committed_fsync", "DLRover committed, then each rank's file fsynced"),
+    ("dlrover.restore.memory", "DLRover restore from shared memory, as returned (views of it)"),
+    ("dlrover.restore.memory_into", "DLRover restore from shared memory, copied into the state's own tensors"),
+    ("dlrover.restore.storage", "DLRover restore from storage (cold cache)"),
+)
+
+# Sizes each run records beside the timings, in bytes, and the decimals to show them in MiB with. A row is
+# shown where every result holds it: a run recorded before a size was measured lacks it, and so does a run
+# without DLRover for DLRover's.
+FOOTPRINT = (
+    ("rank_peak_rss_bytes", "peak RSS of a rank (state, slot and restores), MiB", 0),
+    ("sidecar_peak_rss_bytes", "peak RSS of the sidecar (with the slots it maps), MiB", 0),
+    ("sidecar_peak_private_bytes", "peak private memory of the sidecar (RssAnon), MiB", 0),
+    ("stowaway_peak_shm_bytes", "peak shared memory of Stowaway's slots (all ranks), MiB", 0),
+    ("page_cache_growth_bytes", "page-cache growth during persist, MiB", 1),
+    ("dlrover_rank_peak_rss_bytes", "DLRover: peak RSS of a rank (state, its shared memory and restores), MiB", 0),
+    ("dlrover_saver_peak_rss_bytes", "DLRover: peak RSS of its saver (with the shared memory it maps), MiB", 0),
+    ("dlrover_saver_peak_private_bytes", "DLRover: peak private memory of its saver (RssAnon), MiB", 0),
+    ("dlrover_peak_shm_bytes", "DLRover: peak shared memory (all ranks), MiB", 0),
+    ("dlrover_page_cache_growth_bytes", "DLRover: page-cache growth during persist, MiB", 1),
 )
 
 
@@ -146,12 +186,21 @@ def _measured(results: list[dict[str, Any]], *names: str) -> bool:
     return all(name in result["seconds"] for result in results for name in names)
 
 
-def context_table(results: list[dict[str, Any]]) -> str:
-    """Each term of a denominator is the fastest of its alternatives; the terms are added."""
-    ratios = [(label, numerator, terms) for label, numerator, terms in CONTEXT
+Ratios = tuple[tuple[str, str, tuple[tuple[str, ...], ...]], ...]
+
+
+def context_table(results: list[dict[str, Any]], ratios_of: Ratios = CONTEXT, with_floors: bool = True) -> str:
+    """Each term of a denominator is the fastest of its alternatives; the terms are added.
+
+    Only the ratios whose measurements every result holds are shown; with none, the table is empty ("").
+    """
+    ratios = [(label, numerator, terms) for label, numerator, terms in ratios_of
               if _measured(results, numerator, *(name for term in terms for name in term))]
     floors = [(label, wall) for label, wall in CPU_FLOORS
-              if _measured(results, wall, f"{wall}.cpu_all") and all("cores" in result for result in results)]
+              if with_floors and _measured(results, wall, f"{wall}.cpu_all")
+              and all("cores" in result for result in results)]
+    if not ratios and not floors:
+        return ""
     labels = [label for label, _, _ in ratios] + [label for label, _ in floors]
     lines = ["| checkpoint | ranks | " + " | ".join(labels) + " |", "|---|---:|" + "---:|" * len(labels)]
     for result in results:
@@ -175,14 +224,9 @@ def times_table(results: list[dict[str, Any]]) -> str:
         if not _measured(results, key):
             continue
         lines.append(f"| {label} | " + " | ".join(_spread(r["seconds"][key]) for r in results) + " |")
-    lines.append("| peak RSS of a rank (state, slot and restores), MiB | " + " | ".join(
-        f"{r['rank_peak_rss_bytes'] / 2**20:,.0f}" for r in results) + " |")
-    lines.append("| peak RSS of the sidecar (with the slots it maps), MiB | " + " | ".join(
-        f"{r['sidecar_peak_rss_bytes'] / 2**20:,.0f}" for r in results) + " |")
-    lines.append("| peak private memory of the sidecar (RssAnon), MiB | " + " | ".join(
-        f"{r['sidecar_peak_private_bytes'] / 2**20:,.0f}" for r in results) + " |")
-    lines.append("| page-cache growth during persist, MiB | " + " | ".join(
-        f"{r['page_cache_growth_bytes'] / 2**20:,.1f}" for r in results) + " |")
+    for key, label, digits in FOOTPRINT:
+        if all(key in r for r in results):
+            lines.append(f"| {label} | " + " | ".join(f"{r[key] / 2**20:,.{digits}f}" for r in results) + " |")
     return "\n".join(lines)
 
 
@@ -194,6 +238,10 @@ def markdown(results: list[dict[str, Any]], command: str, machine: str) -> str:
         "\n### Other ratios (medians, steady state; below 1 means Stowaway is faster)\n",
         context_table(results),
     ]
+    against_dlrover = context_table(results, DLROVER, with_floors=False)
+    if against_dlrover:
+        sections += ["\n### Against DLRover's flash checkpoint (medians, steady state; below 1 means Stowaway is "
+                     "faster)\n", against_dlrover]
     for size in sorted({r["total"] for r in results}):
         same = sorted((r for r in results if r["total"] == size), key=lambda r: r["ranks"])
         sections += [f"\n### {size_label(size)} in total\n", times_table(same)]

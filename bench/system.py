@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -56,34 +58,68 @@ def status_bytes(pid: int | str, field: str) -> int:
     raise RuntimeError(f"/proc/{pid}/status has no {field}")
 
 
-class Peak:
-    """Samples a value in a thread and keeps its maximum.
+def reset_peak_rss() -> None:
+    """Start the process's VmHWM afresh from its current RSS, so that it tells the peak of one phase."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def shm_bytes(directory: Path, prefix: str = "") -> int:
+    """Shared memory allocated to the files of ``directory`` whose names start with ``prefix``.
+
+    Allocated, not apparent, size: a file sized with ``ftruncate`` holds
+    memory only for the pages written since.
+    """
+    total = 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
+
+
+class Peaks:
+    """Samples values in one thread and keeps the maximum of each.
 
     A sampler is the only way to see some peaks: a persist that drops its
     pages at the end leaves no trace in a before/after difference, and the
-    kernel keeps no high-water mark of private memory alone.
+    kernel keeps no high-water mark of private memory alone. One thread
+    samples them all, so that adding a value does not add a thread that
+    competes with the measurement for the cores. A value that can no longer
+    be read (its process ended) keeps the peak it had.
     """
 
     INTERVAL = 0.002
 
-    def __init__(self, read: Callable[[], int]) -> None:
-        self._read = read
-        self.peak = read()
+    def __init__(self, readers: Mapping[str, Callable[[], int]]) -> None:
+        self._readers = dict(readers)
+        self.peaks = {name: read() for name, read in self._readers.items()}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.INTERVAL):
-            try:
-                self.peak = max(self.peak, self._read())
-            except (OSError, RuntimeError):
-                return
+        while self._readers and not self._stop.wait(self.INTERVAL):
+            for name, read in list(self._readers.items()):
+                try:
+                    self.peaks[name] = max(self.peaks[name], read())
+                except (OSError, RuntimeError):
+                    del self._readers[name]
 
-    def stop(self) -> int:
+    def stop(self) -> dict[str, int]:
         self._stop.set()
         self._thread.join()
-        return self.peak
+        return self.peaks
+
+
+class Peak:
+    """One value sampled by ``Peaks``."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self._peaks = Peaks({"value": read})
+
+    def stop(self) -> int:
+        return self._peaks.stop()["value"]
 
 
 def cache_growth() -> Peak:

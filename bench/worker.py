@@ -3,7 +3,8 @@
 Every measurement starts after a barrier and is reported as the slowest
 rank's time, because a job waits for its slowest rank. Stowaway, the physical
 references and the peers run in the same processes on the same tensors and
-storage, one after another. With ``--device cuda`` the state lives on the GPU
+storage, one after another (DLRover last, with ``--dlrover``:
+``bench.dlrover_peer``). With ``--device cuda`` the state lives on the GPU
 and every restore goes back onto it; each timed action ends with a device
 synchronize, so no copy still in flight escapes the clock.
 """
@@ -46,7 +47,7 @@ class Run:
             torch.cuda.synchronize()
 
     def slowest(self, seconds: float) -> float:
-        return _across_ranks(seconds, dist.ReduceOp.MAX)
+        return across_ranks(seconds, dist.ReduceOp.MAX)
 
     def record(self, name: str, seconds: float) -> None:
         self.results.setdefault(name, []).append(self.slowest(seconds))
@@ -58,7 +59,7 @@ class Run:
         the measurement could take on it; the report sets each against it.
         """
         self.record(f"{name}.cpu", seconds)
-        self.results.setdefault(f"{name}.cpu_all", []).append(_across_ranks(seconds, dist.ReduceOp.SUM))
+        self.results.setdefault(f"{name}.cpu_all", []).append(across_ranks(seconds, dist.ReduceOp.SUM))
 
     def start(self, fresh_heap: bool = False) -> float:
         """Line every rank up for a measurement with no collection due, and return its start time.
@@ -92,7 +93,7 @@ class Run:
         return result
 
 
-def _across_ranks(value: float, op: dist.ReduceOp) -> float:
+def across_ranks(value: float, op: dist.ReduceOp) -> float:
     """``value`` reduced with ``op`` over every rank, each getting the result."""
     reduced = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(reduced, op=op)
@@ -242,10 +243,10 @@ def measure_torch_save(run: Run, training: dict[str, Any]) -> None:
         started = run.start()
         torch.save(training, path)
         run.record("torch.save", time.perf_counter() - started)
-        _sync_and_drop(path)
+        sync_and_drop(path)
         run.record("torch.save_fsync", time.perf_counter() - started)
     for _ in range(run.reps):
-        _sync_and_drop(path)
+        sync_and_drop(path)
         run.timed("torch.load", lambda: torch.load(path, weights_only=True), fresh_heap=True)
     path.unlink()
 
@@ -259,13 +260,13 @@ def measure_dcp(run: Run, training: dict[str, Any]) -> None:
     its own shard here, so it goes under a name of its own, as a sharded
     state's shards are written: all of them are, which each save checks.
     """
-    nbytes = int(_across_ranks(state.nbytes_of(training), dist.ReduceOp.SUM))
+    nbytes = int(across_ranks(state.nbytes_of(training), dist.ReduceOp.SUM))
     training = {f"rank{run.rank}": training}
     for rep in range(run.reps):
         directory = run.scratch / f"dcp-{rep}"
         run.timed("dcp.save", lambda directory=directory: dcp.save(training, checkpoint_id=directory))
-        _check_holds(run, directory, nbytes)
-        _remove(run, directory)
+        check_holds(run, directory, nbytes)
+        remove(run, directory)
     for rep in range(run.reps):
         directory = run.scratch / f"dcp-async-{rep}"
         started = run.start()
@@ -273,18 +274,18 @@ def measure_dcp(run: Run, training: dict[str, Any]) -> None:
         run.record("dcp.async_save", time.perf_counter() - started)
         future.result()
         run.record("dcp.async_save_done", time.perf_counter() - started)
-        _check_holds(run, directory, nbytes)
+        check_holds(run, directory, nbytes)
         if rep < run.reps - 1:
-            _remove(run, directory)
+            remove(run, directory)
     for _ in range(run.reps):
         if run.rank == 0:
             for path in directory.iterdir():
-                _sync_and_drop(path)
+                sync_and_drop(path)
         run.timed("dcp.load", lambda: dcp.load(training, checkpoint_id=directory))
-    _remove(run, directory)
+    remove(run, directory)
 
 
-def _sync_and_drop(path: Path) -> None:
+def sync_and_drop(path: Path) -> None:
     """fsync, then evict the file from the page cache so that a load reads the device."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -294,7 +295,7 @@ def _sync_and_drop(path: Path) -> None:
         os.close(fd)
 
 
-def _check_holds(run: Run, directory: Path, nbytes: int) -> None:
+def check_holds(run: Run, directory: Path, nbytes: int) -> None:
     """Fail the run if a peer's checkpoint is smaller than the state: it would be compared on fewer bytes."""
     dist.barrier()
     if run.rank == 0:
@@ -302,7 +303,7 @@ def _check_holds(run: Run, directory: Path, nbytes: int) -> None:
         assert written >= nbytes, f"{directory} holds {written} bytes of a {nbytes}-byte state"
 
 
-def _remove(run: Run, directory: Path) -> None:
+def remove(run: Run, directory: Path) -> None:
     dist.barrier()
     if run.rank == 0:
         shutil.rmtree(directory)
@@ -316,6 +317,8 @@ def main() -> None:
     parser.add_argument("--scratch", type=Path, required=True, help="directory for the references and peers")
     parser.add_argument("--out", type=Path, required=True, help="JSON file rank 0 writes")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the training state lives")
+    parser.add_argument("--dlrover", action="store_true",
+                        help="measure DLRover too (its saver must run: python -m bench starts it)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     device = torch.device(args.device)
@@ -330,6 +333,11 @@ def main() -> None:
     measure_overlapped_saves(run, training)
     measure_torch_save(run, training)
     measure_dcp(run, training)
+    if args.dlrover:
+        # Imported here: only the harness's own environment has DLRover.
+        from bench import dlrover_peer
+
+        dlrover_peer.measure(run, training, extra)
     if run.rank == 0:
         args.out.write_text(json.dumps({"seconds": run.results, **extra}, indent=1))
     dist.barrier()
