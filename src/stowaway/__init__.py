@@ -5,6 +5,7 @@
     ckpt.last_restore                     # Restore(step, source="memory" or "storage", seconds) or None
     handle = ckpt.save(step, state)       # returns once the state is in shared memory
     handle.wait()                         # optional: until the checkpoint is committed
+    ckpt.guard(optimizer)                 # then save(step, state, overlap=True) copies behind the next step
 
     step, state = read_checkpoint("STORAGE/JOB")   # offline, DTensors gathered whole
 
@@ -22,6 +23,7 @@ from stowaway.errors import (
     ShmCapacityError,
     SidecarUnavailable,
     SlotWaitTimeout,
+    StagingTimeout,
     StowawayError,
     UnsupportedState,
     WorldSizeChanged,
@@ -44,6 +46,7 @@ __all__ = [
     "ShmCapacityError",
     "SidecarUnavailable",
     "SlotWaitTimeout",
+    "StagingTimeout",
     "StowawayError",
     "UnsupportedState",
     "WorldSizeChanged",

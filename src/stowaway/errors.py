@@ -32,6 +32,10 @@ class SlotWaitTimeout(StowawayError):
     """Every slot stayed in flight for longer than the timeout."""
 
 
+class StagingTimeout(StowawayError):
+    """A save(overlap=True) was still copying its state when the timeout ended a wait for it."""
+
+
 class SaveFailed(StowawayError):
     """A checkpoint did not commit; the message carries the sidecar's reason."""
 

@@ -1,4 +1,5 @@
-"""Device tensors go straight from the GPU into a pinned slot, and save() returns only once they are there.
+"""Device tensors go straight from the GPU into a pinned slot; save() returns once they are there (or, with
+overlap=True, once their copies are queued on a side stream that a guarded optimizer step waits for).
 
 These need a CUDA device; on a machine without one they are skipped, and the
 same checks run on the device machine (see docs/benchmarks.md).
@@ -98,3 +99,24 @@ def test_a_dtensor_shard_on_the_device_comes_back_on_the_device_mesh(start_sidec
         assert torch.equal(weight.to_local().cpu(), expected)
     finally:
         dist.destroy_process_group()
+
+
+def test_an_overlapped_save_of_device_tensors_holds_the_values_before_a_guarded_step(start_sidecar, storage):
+    """On a GPU the guard orders the optimizer's stream after the copies' events: the step cannot reach them."""
+    sidecar = start_sidecar()
+    generator = torch.Generator("cuda").manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64 * 2**20 // 4, device="cuda", generator=generator))
+    optimizer = torch.optim.SGD([weight], lr=0.5, momentum=0.9)
+    with Checkpointer(job="gpu-overlap", socket=sidecar.socket, rank=0, world_size=1, timeout=60) as ckpt:
+        ckpt.guard(optimizer)
+        expected = {}
+        for step in range(1, 6):
+            weight.grad = torch.ones_like(weight)
+            expected[step] = weight.detach().cpu()
+            handle = ckpt.save(step, {"w": weight}, overlap=True)
+            optimizer.step()  # queued behind the copy's event on the current stream; the host goes on
+            handle.wait(60)
+        assert ckpt._slots.pool.slots[0].payload().is_pinned(), "the slot was not registered as pinned memory"
+    for step, values in expected.items():
+        stored = load_file(storage / "gpu-overlap" / f"step-{step:012d}" / "rank-00000-of-00001.safetensors")
+        assert torch.equal(stored["w"], values), f"step {step}: the stored bytes are not those before the step"

@@ -5,7 +5,8 @@ rank, requests and their answers, every wait bounded); ``answers`` is what
 each message from the sidecar does; ``ledger`` records who holds each slot,
 and ``rank_slots`` takes, sizes and hands over slots through it; ``pool``
 holds the slot files and ``spare_slots`` allocates them ahead of use;
-``restorer`` is ``load``; ``handle`` is what ``save`` returns.
+``restorer`` is ``load``; ``handle`` is what ``save`` returns; ``staging``
+copies a ``save(overlap=True)`` behind the training loop and guards the state.
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from stowaway.client import answers, env, ledger, link, rank_slots, restorer
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from stowaway.client import answers, env, ledger, link, rank_slots, restorer, staging
 from stowaway.client.handle import SaveHandle, SavesInFlight
+from stowaway.client.pool import ClientSlot
 from stowaway.errors import ConfigurationError
 from stowaway.format import codec
 from stowaway.protocol import messages
@@ -107,6 +113,7 @@ class Checkpointer:
         self._slots = rank_slots.RankSlots(self.job, self.rank, slots, self.local_world_size, self._link,
                                            self._ledger, self._lock)
         self._saves = SavesInFlight(self.rank)
+        self._stager = staging.Stager(self.rank, timeout)
         self._restorer = restorer.Restorer(self.job, self.rank, self.world_size, self.local_world_size, allow_pickle,
                                            self._run, self._link, self._slots)
         self._link.open(answers.Answers(self._link, self._ledger, self._slots, self._saves))
@@ -133,16 +140,32 @@ class Checkpointer:
         self._slots.reserve(encoded.nbytes, wait)
 
     @_collector_paused
-    def save(self, step: int, state: Any) -> SaveHandle:
-        """Copy ``state`` into a slot and hand it to the sidecar; return once it is in shared memory."""
+    def save(self, step: int, state: Any, overlap: bool = False) -> SaveHandle:
+        """Copy ``state`` into a slot and hand it to the sidecar; return once it is in shared memory.
+
+        With ``overlap``, return once the copy has started instead: a copy
+        thread (on a GPU, a side stream per device) copies the state while the
+        next step computes, and hands the slot to the sidecar when done
+        (``handle.staged()``, ``handle.wait_staged()``). Until then the state
+        must not change: call ``guard(optimizer)`` once, so that the
+        optimizer's step waits for the copy, and wrap any other change in
+        ``guarded()``. Unguarded, a change made during the copy may reach the
+        checkpoint: that is the caller's risk. A save first waits (bounded)
+        for the copy of the save before it, and raises its failure if nobody
+        was told of it yet.
+        """
         started = time.perf_counter()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._stager.wait(f"the save of step {step}")
+        self._stager.raise_failure()
         encoded = self._encoder.encode(state, self.allow_pickle)
         run = self._run.current()
         with self._lock:
             self._saves.refuse_duplicate(step)
         waiting = time.perf_counter()
+        if overlap:
+            return self._save_overlapped(step, encoded, run, started, waiting)
         with self._slots.taken(step) as slot:
             slot_wait = time.perf_counter() - waiting
             generation = self._slots.write(slot, step, encoded)
@@ -150,15 +173,80 @@ class Checkpointer:
             handle = SaveHandle(step, self.rank, blocking, slot_wait, self.timeout)
             request = messages.Persist(run=run, step=step, slot=slot.index, generation=generation,
                                        nbytes=encoded.nbytes, blocking_seconds=blocking, slot_wait_seconds=slot_wait)
-            with self._lock:
-                self.blocking_seconds.append(blocking)
-                self.slot_wait_seconds.append(slot_wait)
-                if self._slots.persist(slot, request):
-                    self._saves.add(handle)
-                else:
-                    handle._resolve(f"the connection to the sidecar was lost before the persist was sent "
-                                    f"({self._link.last_error})")
+            self._hand_over(slot, request, handle)
         return handle
+
+    def _save_overlapped(self, step: int, encoded: codec.Encoded, run: str, started: float,
+                         waiting: float) -> SaveHandle:
+        """Take a slot, queue the device copies, and leave the rest of the copy and the persist to the copy thread."""
+        slot = self._slots.take(step)
+        try:
+            slot_wait = time.perf_counter() - waiting
+            generation = self._slots.begin(slot, encoded)
+            views = slot.views_for(encoded.layout)
+            codec.write_header(encoded, slot.payload())
+            events = (codec.enqueue_device_copies(encoded, views, self._stager.side_streams(encoded.cuda_devices))
+                      if encoded.cuda_devices else {})
+        except BaseException:
+            self._slots.give_back_unsent(slot)
+            raise
+        blocking = time.perf_counter() - started
+        handle = SaveHandle(step, self.rank, blocking, slot_wait, self.timeout, staged=False)
+        request = messages.Persist(run=run, step=step, slot=slot.index, generation=generation,
+                                   nbytes=encoded.nbytes, blocking_seconds=blocking, slot_wait_seconds=slot_wait)
+
+        def copy() -> None:
+            codec.copy_host_sources(encoded, views)
+            for event in events.values():
+                event.synchronize()
+            self._slots.finish(slot, step, generation, encoded.nbytes)
+
+        host_copies = any(source.device.type != "cuda" for source in encoded.sources)
+        self._stager.start(staging.Staging(handle, events, host_copies, started), copy,
+                           lambda: self._hand_over(slot, request, handle), lambda: self._slots.give_back_unsent(slot))
+        return handle
+
+    def _hand_over(self, slot: ClientSlot, request: messages.Persist, handle: SaveHandle) -> None:
+        """Persist the written ``slot``: the handle joins the saves in flight, or fails if the sidecar is gone."""
+        with self._lock:
+            self.blocking_seconds.append(request.blocking_seconds)
+            self.slot_wait_seconds.append(request.slot_wait_seconds)
+            if self._slots.persist(slot, request):
+                self._saves.add(handle)
+            else:
+                handle._resolve(f"the connection to the sidecar was lost before the persist was sent "
+                                f"({self._link.last_error})")
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
+        """Make ``optimizer.step()`` wait for the copy of a ``save(overlap=True)``; return the hook's handle.
+
+        The step's pre-hook waits for the copy on the host (the copy thread),
+        or, when every tensor saved is on a GPU, makes each device's current
+        stream wait for its copy's event, without blocking the host. Call
+        ``.remove()`` on what it returns to drop the guard.
+        """
+        return optimizer.register_step_pre_hook(lambda *_: self._stager.guard())
+
+    @contextmanager
+    def guarded(self) -> Iterator[None]:
+        """``with ckpt.guarded():`` around a change of the state made outside a guarded optimizer's step."""
+        self._stager.guard()
+        yield
+
+    @property
+    def staging_seconds(self) -> list[float]:
+        """Per ``save(overlap=True)`` whose copy ended: seconds from ``save()`` to the end of its copy."""
+        return self._stager.staging_seconds
+
+    @property
+    def stall_seconds(self) -> list[float]:
+        """Per wait on the host for a copy still running (a guard, or the next save): what the overlap cost."""
+        return self._stager.stall_seconds
+
+    @property
+    def overlap_seconds(self) -> float:
+        """Copy time the training loop did not wait for: staging seconds less stall seconds, over the run."""
+        return max(0.0, sum(self.staging_seconds) - sum(self.stall_seconds))
 
     @_collector_paused
     def load(self, step: int | None = None, map_location: Any = "cpu",
@@ -188,6 +276,7 @@ class Checkpointer:
 
         Where the step came from, memory or storage, is ``last_restore``.
         """
+        self._stager.wait("load()")
         return self._restorer.load(step, map_location, device_mesh, into)
 
     @property
@@ -211,9 +300,11 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        copied = self._stager.close()
         self._link.wait_quietly(lambda: not self._saves)
         self._link.close()
-        self._slots.close()
+        if copied:  # unmapping a slot the copy thread still writes would crash the process
+            self._slots.close()
 
     def _hello(self) -> messages.Hello:
         try:

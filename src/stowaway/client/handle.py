@@ -19,10 +19,16 @@ class SaveHandle:
     ``durable`` tells, before the commit, that this rank's own file of the
     step is on storage (the sidecar's ``persisted``): the rank's share is
     safe, whatever the other ranks' shares and the manifest still wait for.
+
+    ``staged()`` tells that the state is in shared memory, so that it may
+    change: at once for a blocking save, once the copy thread is done for
+    ``save(overlap=True)``, whose persist starts only then. ``wait_staged()``
+    waits for it, bounded like ``wait()``, and raises ``SaveFailed`` when the
+    copy failed (the step is then not saved, and ``wait()`` says so too).
     """
 
     def __init__(self, step: int, rank: int, blocking_seconds: float, slot_wait_seconds: float,
-                 default_timeout: float) -> None:
+                 default_timeout: float, staged: bool = True) -> None:
         self.step = step
         self.rank = rank
         self.blocking_seconds = blocking_seconds
@@ -31,9 +37,39 @@ class SaveHandle:
         self._done = threading.Event()
         self._error: str | None = None
         self._durable = False
+        self._staged = threading.Event()
+        self._staging_error: str | None = None
+        # Whether a failed copy was raised to the caller already; if not, the next save raises it.
+        self._staging_reported = False
+        if staged:
+            self._staged.set()
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def staged(self) -> bool:
+        """The copy into shared memory has ended (successfully or not): the state may change now."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Return once the state is in shared memory; raise ``SaveFailed`` if the copy failed or took too long."""
+        timeout = self._default_timeout if timeout is None else timeout
+        if not self._staged.wait(timeout):
+            raise SaveFailed(
+                f"rank {self.rank}: step {self.step} was not copied into shared memory within {timeout} s; "
+                "the copy thread is still copying it (a very large state, or a slow or stuck device)"
+            )
+        if self._staging_error is not None:
+            self._staging_reported = True
+            raise SaveFailed(f"rank {self.rank}: step {self.step} could not be copied into shared memory: "
+                             f"{self._staging_error}")
+
+    def _finish_staging(self, error: str | None) -> None:
+        """The copy has ended; a failed one fails the save as well, since the sidecar never got the step."""
+        self._staging_error = error
+        self._staged.set()
+        if error is not None:
+            self._resolve(f"its copy into shared memory failed: {error}")
 
     @property
     def committed(self) -> bool:
@@ -52,6 +88,7 @@ class SaveHandle:
                 "the sidecar is still working on it or another rank has not saved this step"
             )
         if self._error is not None:
+            self._staging_reported = self._staging_error is not None
             raise SaveFailed(f"rank {self.rank}: step {self.step} was not committed: {self._error}")
 
     def _mark_durable(self) -> None:
@@ -66,7 +103,10 @@ class SaveHandle:
         return True
 
     def __repr__(self) -> str:
-        state = "pending" if not self.done() else ("committed" if self.committed else "failed")
+        if not self.staged():
+            state = "staging"
+        else:
+            state = "pending" if not self.done() else ("committed" if self.committed else "failed")
         return f"SaveHandle(step={self.step}, rank={self.rank}, {state})"
 
 

@@ -62,25 +62,43 @@ class RankSlots:
     @contextmanager
     def taken(self, step: int) -> Iterator[ClientSlot]:
         """The largest idle slot, for writing ``step``: waits (bounded) for one; idle again unless handed over."""
-        slot = self._take(step)
+        slot = self.take(step)
         try:
             yield slot
         finally:
-            with self._lock:
-                if self._ledger.state(slot.index) is SlotState.WRITING:
-                    self._ledger.abandon(slot.index)
+            self.give_back_unsent(slot)
+
+    def take(self, step: int) -> ClientSlot:
+        """The largest idle slot, for ``step`` (waits, bounded); the caller hands it over or gives it back."""
+        return self._take(step)
+
+    def give_back_unsent(self, slot: ClientSlot) -> None:
+        """The taken ``slot`` is idle again unless it was handed over: whatever happened while it was written."""
+        with self._lock:
+            if self._ledger.state(slot.index) is SlotState.WRITING:
+                self._ledger.abandon(slot.index)
 
     def write(self, slot: ClientSlot, step: int, encoded: codec.Encoded) -> int:
         """Copy ``encoded`` into the taken ``slot`` as ``step``, published in its header; return its generation."""
+        generation = self.begin(slot, encoded)
+        codec.write_into(encoded, slot.payload(), slot.views_for(encoded.layout))
+        self.finish(slot, step, generation, encoded.nbytes)
+        return generation
+
+    def begin(self, slot: ClientSlot, encoded: codec.Encoded) -> int:
+        """Size, register (and for device sources pin) the taken ``slot``, and mark it being written; its generation."""
         self.fit(slot, encoded.nbytes)
         assert slot.file is not None
         if encoded.cuda_devices:
             slot.pin()
         generation = slot.next_generation()
         header.begin_write(slot.file.header_view, generation)
-        codec.write_into(encoded, slot.payload(), slot.views_for(encoded.layout))
-        header.finish_write(slot.file.header_view, step, generation, encoded.nbytes)
         return generation
+
+    def finish(self, slot: ClientSlot, step: int, generation: int, nbytes: int) -> None:
+        """Publish the written ``slot`` as ``step`` in its header: complete from now on."""
+        assert slot.file is not None
+        header.finish_write(slot.file.header_view, step, generation, nbytes)
 
     def fit(self, slot: ClientSlot, nbytes: int) -> None:
         """Make the taken ``slot`` hold ``nbytes`` and have the sidecar open it."""

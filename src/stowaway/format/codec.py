@@ -97,8 +97,7 @@ def targets(layout: st.Layout, payload: torch.Tensor) -> list[torch.Tensor]:
 
 def write_into(encoded: Encoded, payload: torch.Tensor, views: list[torch.Tensor]) -> None:
     """Fill ``payload`` (a uint8 tensor over the slot) with the file image; ``views`` come from ``targets``."""
-    header = encoded.layout.header
-    payload[: len(header)].numpy()[:] = memoryview(header)
+    write_header(encoded, payload)
     with torch.no_grad():
         if not encoded.cuda_devices:
             if views:  # _foreach_copy_ refuses an empty list: a state of scalars only has no tensor bytes
@@ -109,6 +108,45 @@ def write_into(encoded: Encoded, payload: torch.Tensor, views: list[torch.Tensor
         # The fence: save() returns once the bytes are in the slot, so the caller may then change its tensors.
         for device in encoded.cuda_devices:
             torch.cuda.current_stream(device).synchronize()
+
+
+def write_header(encoded: Encoded, payload: torch.Tensor) -> None:
+    """The safetensors header at the start of ``payload``: the part of the image that is not the state's."""
+    header = encoded.layout.header
+    payload[: len(header)].numpy()[:] = memoryview(header)
+
+
+def enqueue_device_copies(encoded: Encoded, views: list[torch.Tensor],
+                          streams: dict[torch.device, Any]) -> dict[torch.device, Any]:
+    """Queue each device source's copy on its device's side stream in ``streams``; an event per device ends them.
+
+    The side stream first waits for the work already queued on the current
+    stream, which produced the values, and each source is recorded on it, so
+    that the caching allocator does not hand its memory to a later tensor
+    before the copy has read it. Nothing here waits on the host.
+    """
+    events: dict[torch.device, Any] = {}
+    with torch.no_grad():
+        for device in encoded.cuda_devices:
+            streams[device].wait_stream(torch.cuda.current_stream(device))
+        for view, source in zip(views, encoded.sources, strict=True):
+            if source.device.type == "cuda":
+                side = streams[source.device]
+                with torch.cuda.stream(side):
+                    view.copy_(source, non_blocking=True)
+                source.record_stream(side)
+        for device in encoded.cuda_devices:
+            events[device] = streams[device].record_event()
+    return events
+
+
+def copy_host_sources(encoded: Encoded, views: list[torch.Tensor]) -> None:
+    """Copy the sources that live in host memory (all of them, without a GPU) into their ``views``."""
+    pairs = [(view, source) for view, source in zip(views, encoded.sources, strict=True)
+             if source.device.type != "cuda"]
+    if pairs:  # _foreach_copy_ refuses an empty list
+        with torch.no_grad():
+            torch._foreach_copy_([view for view, _ in pairs], [source for _, source in pairs])
 
 
 def read_from(payload: torch.Tensor, nbytes: int, map_location: Any, allow_pickle: bool = False,

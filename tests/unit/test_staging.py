@@ -1,0 +1,65 @@
+"""The copy thread of ``save(overlap=True)``: what it does with a copy that fails, hangs, or ends."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from stowaway.client.handle import SaveHandle
+from stowaway.client.staging import Stager, Staging
+from stowaway.errors import SaveFailed, StagingTimeout
+
+
+def staging(step: int, rank: int = 0) -> Staging:
+    return Staging(SaveHandle(step, rank, 0.0, 0.0, 5.0, staged=False), {}, True, time.perf_counter())
+
+
+def test_a_copy_is_staged_before_it_is_handed_over_and_finished_after():
+    stager = Stager(rank=0, timeout=5)
+    job = staging(1)
+    seen: list[tuple[bool, bool]] = []
+    stager.start(job, lambda: None, lambda: seen.append((job.handle.staged(), job.finished.is_set())), lambda: None)
+    stager.wait("the test")
+    assert seen == [(True, False)], "the persist must follow the copy, and the next save follow the persist"
+    assert len(stager.staging_seconds) == 1
+    assert stager.close()
+
+
+def test_a_failed_copy_gives_its_slot_back_fails_its_save_and_is_raised_once_by_the_next():
+    stager = Stager(rank=3, timeout=5)
+    job = staging(7, rank=3)
+    given_back = threading.Event()
+
+    def broken() -> None:
+        raise OSError("no space")
+
+    stager.start(job, broken, lambda: pytest.fail("a failed copy was handed over"), given_back.set)
+    stager.wait("the test")
+    assert given_back.is_set() and job.handle.done() and not job.handle.committed
+    with pytest.raises(SaveFailed, match="rank 3: step 7 could not be copied into shared memory: OSError: no space"):
+        stager.raise_failure()
+    stager.raise_failure()  # told once
+    assert stager.close()
+
+
+def test_a_failure_the_handle_raised_is_not_raised_again():
+    stager = Stager(rank=0, timeout=5)
+    job = staging(2)
+    stager.start(job, lambda: (_ for _ in ()).throw(RuntimeError("bad")), lambda: None, lambda: None)
+    with pytest.raises(SaveFailed, match="step 2 could not be copied"):
+        job.handle.wait_staged(5)
+    stager.raise_failure()
+    assert stager.close()
+
+
+def test_a_stuck_copy_ends_waits_with_a_timeout_and_close_leaves_it_alone():
+    stager = Stager(rank=1, timeout=0.2)
+    release = threading.Event()
+    stager.start(staging(4, rank=1), lambda: release.wait(30) and None, lambda: None, lambda: None)
+    with pytest.raises(StagingTimeout, match=r"rank 1: the next save waited 0\.2 s for step 4 to be copied"):
+        stager.wait("the next save")
+    assert stager.stall_seconds and stager.stall_seconds[0] >= 0.2
+    assert not stager.close(), "close() said the copy ended while it still runs"
+    release.set()
