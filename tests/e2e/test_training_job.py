@@ -3,8 +3,9 @@
 One run, observed by every test of this module (``training_run``): the chart's operator injects the sidecar
 into a Job's pod whose trainer (``examples/train.py`` under ``torchrun``, two ranks, uid 1000, an fsGroup of
 its own) saves every step into shared memory; the sidecar (uid 65532) commits into a claim the cluster
-provisions. Its ranks are SIGKILLed: the container restarts in place and restores from shared memory. The pod
-is deleted: its sidecar drains, the Job's next pod restores from the claim and trains to the end. A second
+provisions. Its ranks are SIGKILLed: the container restarts in place and restores from shared memory. The
+operator is killed and the pod deleted: its sidecar drains, the Job's next pod is injected once the operator is
+back, restores from the claim and trains to the end. A second
 Job runs the same training uninterrupted, and every step both print must be bit-identical. A real
 Prometheus discovers the sidecars through the API server as the chart's PodMonitor would, and the dashboard
 queries it with the job's labels.
@@ -60,6 +61,9 @@ class TrainingRun:
     verify_output: str = ""
     dashboard: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     first_pod: str = ""
+    # The operator's running pods before it was killed, and once the Job's next pod ran.
+    killed_operator: list[str] = field(default_factory=list)
+    operator_after: list[str] = field(default_factory=list)
     scraped_labels: list[dict[str, str]] = field(default_factory=list)
 
 
@@ -99,6 +103,12 @@ def _identity(cluster: Cluster, namespace: str, pod: str, container: str) -> str
         "kubectl", "--namespace", namespace, "exec", pod, "-c", container, "--", "id", "-G").stdout.strip()
 
 
+def _operator_pods(cluster: Cluster, operator: Operator) -> list[str]:
+    pods = objects.get(cluster, "pods", namespace=operator.namespace, selector=operator.selector)["items"]
+    return sorted(pod["metadata"]["name"] for pod in pods
+                  if pod["status"].get("phase") == "Running" and "deletionTimestamp" not in pod["metadata"])
+
+
 def _verify_claim(cluster: Cluster, namespace: str, scratch: Path) -> str:
     """``stowaway verify`` over the claim, by the example's pod (the product image, the claim read-only)."""
     (pod,) = training.example("verify/pod.yaml")
@@ -117,15 +127,25 @@ def _verify_claim(cluster: Cluster, namespace: str, scratch: Path) -> str:
     return output
 
 
+@dataclass(frozen=True)
+class Operator:
+    namespace: str
+    release: str
+
+    @property
+    def selector(self) -> str:
+        return f"app.kubernetes.io/instance={self.release}"
+
+
 @pytest.fixture(scope="module")
-def operator(k8s_cluster: Cluster, k8s_api: client.ApiClient) -> Iterator[str]:
+def operator(k8s_cluster: Cluster, k8s_api: client.ApiClient) -> Iterator[Operator]:
     """The chart, installed for this module's jobs (their namespaces are not the operator's: it skips its own)."""
     with fresh_namespace(k8s_api, "stowaway-e2e-system") as system, installed_chart(k8s_cluster, system) as release:
-        yield release
+        yield Operator(system, release)
 
 
 @pytest.fixture(scope="module")
-def training_run(k8s_cluster: Cluster, k8s_api: client.ApiClient, operator: str,
+def training_run(k8s_cluster: Cluster, k8s_api: client.ApiClient, operator: Operator,
                  e2e_environment: Environment) -> Iterator[TrainingRun]:
     assert e2e_environment.prometheus is not None, "no Prometheus was built for this session"
     scratch = Path(tempfile.mkdtemp(prefix="e2e", dir="/tmp"))
@@ -134,7 +154,7 @@ def training_run(k8s_cluster: Cluster, k8s_api: client.ApiClient, operator: str,
         followed: list[FollowedLog] = []
         prometheus = prometheus_of_sidecars(e2e_environment.prometheus, k8s_cluster, namespace, scratch)
         try:
-            _train(k8s_cluster, run, scratch, followed, prometheus)
+            _train(k8s_cluster, run, scratch, followed, prometheus, operator)
             yield run
         finally:
             for log in followed:
@@ -152,7 +172,7 @@ def _policy_ready(cluster: Cluster, namespace: str, scratch: Path, size_limit: s
 
 
 def _train(cluster: Cluster, run: TrainingRun, scratch: Path, followed: list[FollowedLog],
-           prometheus: Any) -> None:
+           prometheus: Any, operator: Operator) -> None:
     ns = run.namespace
     _policy_ready(cluster, ns, scratch)
     training.apply(cluster, ns, [training.job_object(REFERENCE, steps=STEPS, pace=0),
@@ -201,13 +221,18 @@ def _train(cluster: Cluster, run: TrainingRun, scratch: Path, followed: list[Fol
     run.scraped_labels = [series["metric"] for series in
                           prometheus.query(f'stowaway_last_committed_step{{namespace="{ns}"}}')]
 
-    # 4. The pod is deleted: its sidecar drains; the Job's next pod restores from the claim and finishes.
+    # 4. The operator is killed, then the training pod is deleted: its sidecar drains; the Job's next pod is
+    # admitted once the operator's Deployment has replaced it, restores from the claim and finishes.
+    run.killed_operator = _operator_pods(cluster, operator)
+    cluster.run("kubectl", "--namespace", operator.namespace, "delete", "pod", "--selector", operator.selector,
+                "--grace-period=0", "--force", "--wait=false")
     run.committed_before_delete = int(_metric(cluster, ns, first, "stowaway_last_committed_step"))
     cluster.run("kubectl", "--namespace", ns, "delete", "pod", name, "--wait=false")
     grace = 30 + 15
     run.logs.append(restarted.ended(timeout=grace + 30))
     run.deleted_pod_sidecar_log = sidecar_log.ended(timeout=grace + 30)
     second = _running_pod(cluster, ns, JOB, other_than=name)
+    run.operator_after = _operator_pods(cluster, operator)
     last = FollowedLog(cluster, ns, second["metadata"]["name"], training.TRAINER, scratch / "trainer-2.log")
     followed.append(last)
     eventually(lambda: training.resumed_at(last.text()) is not None, what="the next pod to resume",
@@ -259,6 +284,15 @@ def test_a_deleted_pod_drains_and_the_next_pod_restores_the_newest_commit_from_t
     assert metrics['stowaway_restores_total{source="memory"}'] == 0
 
 
+def test_a_killed_operator_is_replaced_and_the_next_pod_is_injected_once_it_is_back(
+    training_run: TrainingRun,
+) -> None:
+    killed, after = training_run.killed_operator, training_run.operator_after
+    assert len(killed) == 1 and len(after) == 1 and killed != after, (killed, after)
+    # The next pod restored from the claim through its sidecar: the webhook that injected it was the new one.
+    assert training_run.after_storage_restore['stowaway_restores_total{source="storage"}'] == 2
+
+
 def test_training_across_both_interruptions_is_bit_identical_to_an_uninterrupted_run(
     training_run: TrainingRun,
 ) -> None:
@@ -293,7 +327,7 @@ def test_prometheus_finds_the_sidecar_as_the_podmonitor_does_and_the_dashboard_s
 
 
 def test_a_dev_shm_smaller_than_the_slots_fails_the_first_save_saying_which_setting_to_raise(
-    k8s_cluster: Cluster, k8s_api: client.ApiClient, operator: str,
+    k8s_cluster: Cluster, k8s_api: client.ApiClient, operator: Operator,
 ) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="e2e", dir="/tmp"))
     with fresh_namespace(k8s_api, "stowaway-e2e-shm") as ns:
