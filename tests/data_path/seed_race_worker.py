@@ -1,4 +1,4 @@
-"""One rank of the seed-race test: saves as fast as it can, with random pauses.
+"""One rank of the seed-race test: saves as fast as it can, with random pauses (``overlap``: copies overlapped).
 
 Prints one JSON line: how many saves were answered how, and the steps that
 committed. The Checkpointer raises ProtocolError on any duplicate or
@@ -21,6 +21,7 @@ from stowaway import Checkpointer
 def main() -> None:
     saves = int(sys.argv[1])
     numel = int(sys.argv[2])
+    overlap = sys.argv[3:] == ["overlap"]
     rank = int(os.environ["RANK"])
     rng = random.Random(rank)
     handles = []
@@ -28,7 +29,7 @@ def main() -> None:
         for step in range(saves):
             state = {"x": torch.full((numel,), float(rank * 100_000 + step)), "step": step,
                      "tail": torch.arange(rng.randrange(1, 64), dtype=torch.int32) + step}
-            handles.append(ckpt.save(step, state))
+            handles.append(ckpt.save(step, state, overlap=overlap))
             time.sleep(rng.random() * 0.002)
         committed, failed = [], []
         for handle in handles:

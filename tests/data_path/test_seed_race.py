@@ -26,11 +26,12 @@ WORKER = Path(__file__).with_name("seed_race_worker.py")
 
 
 @pytest.mark.timeout(600)
-def test_eight_ranks_saving_faster_than_storage_never_tear_or_hang(start_sidecar, storage):
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+def test_eight_ranks_saving_faster_than_storage_never_tear_or_hang(start_sidecar, storage, overlap):
     sidecar = start_sidecar(extra=["--write-rate-limit", str(4 * 2**20), "--persist-workers", "4"])
     workers = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(SAVES_PER_RANK), str(NUMEL)],
+            [sys.executable, str(WORKER), str(SAVES_PER_RANK), str(NUMEL), *(["overlap"] if overlap else [])],
             env=sidecar.env("race", rank, RANKS), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for rank in range(RANKS)
