@@ -37,6 +37,9 @@ class ClientSlot:
     generation: int = 0
     # Whether the sidecar has opened this mapping of the file on the current connection.
     registered: bool = False
+    # When this rank last took the slot, in takes (0: never): the least recent is written next, so the newest step
+    # stays in memory while the next save writes.
+    taken_at: int = 0
     _tensor: torch.Tensor | None = None
     _views_placement: list[Placed] | None = None
     _views_start: int = 0

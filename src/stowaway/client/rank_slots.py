@@ -33,6 +33,7 @@ class RankSlots:
         self._lock = lock
         self._pool: SlotPool | None = None
         self._spares: SpareSlots | None = None
+        self._takes = 0
 
     @property
     def pool(self) -> SlotPool:
@@ -61,7 +62,7 @@ class RankSlots:
 
     @contextmanager
     def taken(self, step: int) -> Iterator[ClientSlot]:
-        """The largest idle slot, for writing ``step``: waits (bounded) for one; idle again unless handed over."""
+        """An idle slot for writing ``step`` (see ``take``): waits (bounded) for one; idle again unless handed over."""
         slot = self.take(step)
         try:
             yield slot
@@ -69,7 +70,13 @@ class RankSlots:
             self.give_back_unsent(slot)
 
     def take(self, step: int) -> ClientSlot:
-        """The largest idle slot, for ``step`` (waits, bounded); the caller hands it over or gives it back."""
+        """The largest idle slot, of those the least recently taken, for ``step`` (waits, bounded); the caller hands
+        it over or gives it back.
+
+        Least recently taken: when storage keeps up, every slot is idle at each save, and always writing the
+        same one would overwrite the newest committed step in memory with the next; a rank killed in the middle
+        of that write could then only restore from storage.
+        """
         return self._take(step)
 
     def give_back_unsent(self, slot: ClientSlot) -> None:
@@ -171,7 +178,7 @@ class RankSlots:
             if not self._link.connected or self._pool is None:
                 return None
             idle = [self._pool.slots[index] for index in self._ledger.idle()]
-            return max(idle, key=lambda slot: slot.capacity) if idle else None
+            return max(idle, key=lambda slot: (slot.capacity, -slot.taken_at)) if idle else None
 
         def describe() -> str:
             flights = [owned.step for owned in self._ledger.held_by_sidecar()]
@@ -185,6 +192,8 @@ class RankSlots:
             slot = largest_idle()
             assert slot is not None, "only this thread takes slots"
             self._ledger.take(slot.index)
+            self._takes += 1
+            slot.taken_at = self._takes
             return slot
 
     def _require_spares(self) -> SpareSlots:
