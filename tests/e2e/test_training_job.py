@@ -85,6 +85,14 @@ def _metric(cluster: Cluster, namespace: str, pod: dict[str, Any], series: str) 
     return training.sidecar_metrics(cluster, namespace, pod).get(series, float("nan"))
 
 
+def _restores(cluster: Cluster, namespace: str, pod: dict[str, Any], ranks: int) -> dict[str, float]:
+    """The sidecar's samples once it has counted ``ranks`` restores, whatever their source."""
+    found = training.sidecar_metrics(cluster, namespace, pod)
+    counted = {series: value for series, value in found.items() if series.startswith("stowaway_restores_total")}
+    assert sum(counted.values()) >= ranks, f"restores counted so far: {counted}"
+    return found
+
+
 def _committed(cluster: Cluster, namespace: str, pod: dict[str, Any], at_least: int) -> float:
     committed = _metric(cluster, namespace, pod, "stowaway_last_committed_step")
     return committed if committed >= at_least else 0
@@ -202,10 +210,8 @@ def _train(cluster: Cluster, run: TrainingRun, scratch: Path, followed: list[Fol
                timeout=POD_START)
     resumed = training.resumed_at(restarted.text())
     assert resumed is not None
-    run.after_memory_restore = eventually(
-        lambda: (found := training.sidecar_metrics(cluster, ns, first))
-        .get('stowaway_restores_total{source="memory"}', 0) >= 2 and found,
-        what="the sidecar to count both ranks' restores", timeout=60)
+    run.after_memory_restore = eventually(lambda: _restores(cluster, ns, first, 2),
+                                          what="the sidecar to count both ranks' restores", timeout=60)
     eventually(lambda: _committed(cluster, ns, first, resumed + 3), what="training to go on after the restore",
                timeout=POD_START)
 
@@ -237,10 +243,8 @@ def _train(cluster: Cluster, run: TrainingRun, scratch: Path, followed: list[Fol
     followed.append(last)
     eventually(lambda: training.resumed_at(last.text()) is not None, what="the next pod to resume",
                timeout=POD_START)
-    run.after_storage_restore = eventually(
-        lambda: (found := training.sidecar_metrics(cluster, ns, second))
-        .get('stowaway_restores_total{source="storage"}', 0) >= 2 and found,
-        what="the next pod's sidecar to count both ranks' restores", timeout=60)
+    run.after_storage_restore = eventually(lambda: _restores(cluster, ns, second, 2),
+                                           what="the next pod's sidecar to count both ranks' restores", timeout=60)
     eventually(lambda: _complete(cluster, ns, JOB), what=f"job {JOB} to complete", timeout=RUN_TIME)
     run.logs.append(last.ended(timeout=60))
     eventually(lambda: _complete(cluster, ns, REFERENCE), what=f"job {REFERENCE} to complete", timeout=RUN_TIME)
