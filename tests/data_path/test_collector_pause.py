@@ -11,6 +11,7 @@ every call, and stay off where the caller had turned it off.
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,30 +23,37 @@ from stowaway import Checkpointer
 
 
 class Collections:
-    """Where each collection the test's thread starts begins, with every allocation made to start one.
+    """Which collections the test's thread starts while a save or load is at work.
 
-    The connection's thread is left out: it runs collections of its own whenever a message arrives.
+    A collection counts as inside when the call's own frame is on the stack
+    that started it. Starting the call packs its arguments first, and that
+    allocation may start one before the call has begun: that collection is
+    the caller's, at the same moment as one at its previous allocation.
+    The connection's thread is left out: it runs collections of its own
+    whenever a message arrives.
     """
 
     def __init__(self) -> None:
-        self.started: list[str] = []
-        self._where = "outside"
+        self.inside: list[str] = []
         self._thread = threading.get_ident()
+        self._calls = {Checkpointer.save.__code__, Checkpointer.load.__code__}
 
     def record(self, phase: str, info: dict) -> None:
-        if phase == "start" and threading.get_ident() == self._thread:
-            self.started.append(self._where)
+        if phase != "start" or threading.get_ident() != self._thread:
+            return
+        started_at = frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code in self._calls:
+                self.inside.append(f"{started_at.f_code.co_qualname}:{started_at.f_lineno}")
+                return
+            frame = frame.f_back
 
     def check(self, what: str, call: Callable[[], Any]) -> Any:
         """Make ``call``, and assert that it started no collection and left the collector on."""
-        self.started.clear()
-        self._where = "inside"
-        try:
-            result = call()
-        finally:
-            self._where = "outside"
+        self.inside.clear()
+        result = call()
         assert gc.isenabled(), f"{what} left the collector disabled"
-        assert "inside" not in self.started, f"a collection started inside {what}"
+        assert not self.inside, f"{len(self.inside)} collections started inside {what}, the first at {self.inside[:3]}"
         return result
 
 
