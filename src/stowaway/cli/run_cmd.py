@@ -4,12 +4,19 @@ The sidecar runs in its own session so that Ctrl-C reaches the training
 command only; once the command has exited, the sidecar is asked to stop and
 finishes the persists still in flight before the launcher exits with the
 command's status.
+
+A launcher killed outright (SIGKILL, the OOM killer) runs none of that, so
+both children are also told to stop when it dies (``PR_SET_PDEATHSIG``):
+the command is terminated rather than left training against a sidecar about
+to go, and the sidecar drains its persists and removes the directories the
+launcher made for this run (its shared memory and its socket).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -19,6 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from stowaway import sidecar_settings
@@ -26,6 +34,7 @@ from stowaway.cli import catalog_cmds
 from stowaway.cli.errors import CommandError
 
 STARTUP_TIMEOUT = 30.0
+_PR_SET_PDEATHSIG = 1
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
     sidecar = subprocess.Popen(
         [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(args.storage), "--socket", str(socket_path),
          "--shm-dir", str(shm_dir), *sidecar_settings.KEEP_LAST.command_line(args.keep_last),
-         "--grace-period", str(args.grace_period), "--log-level", "WARNING"],
-        start_new_session=True,
+         "--grace-period", str(args.grace_period), "--remove-dirs-on-exit", "--log-level", "WARNING"],
+        start_new_session=True, preexec_fn=_terminate_with(os.getpid()),
     )
     try:
         wait_for_socket(sidecar, socket_path)
@@ -91,13 +100,26 @@ def wait_for_socket(sidecar: subprocess.Popen[bytes], path: Path) -> None:
 
 def _run_command(command: list[str], env: dict[str, str]) -> int:
     try:
-        child = subprocess.Popen(command, env=env)
+        child = subprocess.Popen(command, env=env, preexec_fn=_terminate_with(os.getpid()))
     except OSError as exc:
         raise CommandError(f"cannot start {command[0]!r}: {exc.strerror}") from None
     try:
         return child.wait()
     except KeyboardInterrupt:
         return child.wait()
+
+
+def _terminate_with(launcher: int) -> Callable[[], None]:
+    """What a child runs before its program: be sent SIGTERM when the launcher dies, even if it already has."""
+
+    def arrange() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != launcher:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arrange
 
 
 def stop_sidecar(sidecar: subprocess.Popen[bytes], grace: float) -> None:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 
 from stowaway import sidecar_settings
 from stowaway.cli.errors import CommandError
@@ -21,6 +22,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     for setting in sidecar_settings.ALL:
         setting.add_to(parser)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--remove-dirs-on-exit", action="store_true",
+                        help="remove --shm-dir and the socket's directory once stopped; for `stowaway run`, which "
+                        "made both for this run alone (in a pod the slots must outlive a restarted sidecar)")
     parser.set_defaults(handler=run)
 
 
@@ -42,6 +46,10 @@ def run(args: argparse.Namespace) -> int:
     except SidecarError as exc:
         runner.close()
         raise CommandError(str(exc)) from None
+    finally:
+        if args.remove_dirs_on_exit:
+            shutil.rmtree(config.shm_dir, ignore_errors=True)
+            shutil.rmtree(config.socket_path.parent, ignore_errors=True)
     if sidecar.abandoned_work:
         # Closing the runner, or leaving the interpreter, joins the persist threads, which may sit in a write
         # to slow storage for far longer than the grace period; Kubernetes would SIGKILL us anyway.
