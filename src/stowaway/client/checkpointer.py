@@ -11,6 +11,7 @@ copies a ``save(overlap=True)`` behind the training loop and guards the state.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import os
@@ -103,6 +104,7 @@ class Checkpointer:
         self.allow_pickle = allow_pickle
         self.blocking_seconds: list[float] = []
         self.slot_wait_seconds: list[float] = []
+        self._hidden_seconds = 0.0  # see overlap_seconds; added to by the copy thread only
         self._encoder = codec.Encoder()
         self._run = env.RunId(run_id, self.world_size)
         self._closed = False
@@ -202,8 +204,15 @@ class Checkpointer:
             self._slots.finish(slot, step, generation, encoded.nbytes)
 
         host_copies = any(source.device.type != "cuda" for source in encoded.sources)
-        self._stager.start(staging.Staging(handle, events, host_copies, started), copy,
-                           lambda: self._hand_over(slot, request, handle), lambda: self._slots.give_back_unsent(slot))
+        job = staging.Staging(handle, events, host_copies, started)
+
+        def hand_over() -> None:
+            """Persist, telling the sidecar what the copy cost (known now, at its end)."""
+            measured = dataclasses.replace(request, staging_seconds=job.seconds, stall_seconds=job.stall)
+            self._hidden_seconds += measured.hidden_seconds or 0.0
+            self._hand_over(slot, measured, handle)
+
+        self._stager.start(job, copy, hand_over, lambda: self._slots.give_back_unsent(slot))
         return handle
 
     def _hand_over(self, slot: ClientSlot, request: messages.Persist, handle: SaveHandle) -> None:
@@ -245,8 +254,13 @@ class Checkpointer:
 
     @property
     def overlap_seconds(self) -> float:
-        """Copy time the training loop did not wait for: staging seconds less stall seconds, over the run."""
-        return max(0.0, sum(self.staging_seconds) - sum(self.stall_seconds))
+        """Copy time the training loop did not wait for, over the run's overlapped saves handed to the sidecar.
+
+        Per save, its staging seconds less what ``save()`` blocked for and
+        less its stall (``messages.Persist.hidden_seconds``), as the
+        sidecar's ``stowaway_save_overlap_hidden_seconds_total`` counts it.
+        """
+        return self._hidden_seconds
 
     @_collector_paused
     def load(self, step: int | None = None, map_location: Any = "cpu",
