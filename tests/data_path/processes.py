@@ -138,8 +138,12 @@ class RankProcess:
 
     def send(self, **command: Any) -> None:
         assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            raise AssertionError(f"rank process ended (status {self.process.wait(DEADLINE)}) before {command}:\n"
+                                 f"{self.log_path.read_text()}") from None
 
     def read(self, timeout: float = DEADLINE) -> dict[str, Any]:
         assert self.process.stdout is not None

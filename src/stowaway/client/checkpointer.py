@@ -207,10 +207,17 @@ class Checkpointer:
         job = staging.Staging(handle, events, host_copies, started)
 
         def hand_over() -> None:
-            """Persist, telling the sidecar what the copy cost (known now, at its end)."""
+            """Persist, telling the sidecar what the copy cost (known now, at its end); unsent, the slot is idle again.
+
+            As ``taken`` does for a blocking save: a persist the connection
+            could not carry fails the save, and must not keep its slot.
+            """
             measured = dataclasses.replace(request, staging_seconds=job.seconds, stall_seconds=job.stall)
             self._hidden_seconds += measured.hidden_seconds or 0.0
-            self._hand_over(slot, measured, handle)
+            try:
+                self._hand_over(slot, measured, handle)
+            finally:
+                self._slots.give_back_unsent(slot)
 
         self._stager.start(job, copy, hand_over, lambda: self._slots.give_back_unsent(slot))
         return handle
