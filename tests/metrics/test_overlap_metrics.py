@@ -40,7 +40,7 @@ def test_a_slow_overlapped_copy_shows_as_staging_stall_and_hidden_seconds(metric
     assert hidden == pytest.approx(measured["hidden"], rel=1e-9), "the rank and the sidecar count hidden time alike"
     assert staging >= 2 * DELAY, f"staging {staging} s for two copies forced to last {DELAY} s each"
     # Step 1's copy was waited for from (a reply and a command after) its start to its end; step 2's not at all.
-    assert DELAY / 2 <= stall <= staging / 2, f"stall {stall} s: one copy of {DELAY} s waited for, one not"
+    assert DELAY / 2 <= stall <= staging - DELAY, f"stall {stall} s: one copy of {DELAY} s waited for, one not"
     assert hidden >= DELAY, f"hidden {hidden} s: one copy of {DELAY} s ran while the loop did other work"
     assert stall + hidden <= staging
     assert found['stowaway_save_staging_seconds_bucket{le="0.25"}'] == 0, "each copy lasts longer than 0.25 s"
