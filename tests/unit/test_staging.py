@@ -6,9 +6,10 @@ import threading
 import time
 
 import pytest
+import torch
 
 from stowaway.client.handle import SaveHandle
-from stowaway.client.staging import Stager, Staging
+from stowaway.client.staging import INLINE_HOST_BYTES, Stager, Staging, copies_host_tensors_itself
 from stowaway.errors import SaveFailed, StagingTimeout
 
 
@@ -109,3 +110,11 @@ def test_a_wait_that_begins_after_the_copy_ended_is_no_stall_of_it():
     finisher.join()
     assert job.stalled_since is None and job.stall == 0.0
     assert stager.close()
+
+
+def test_save_copies_the_host_tensors_itself_only_beside_gpu_tensors_and_only_a_few_bytes_of_them():
+    steps = [torch.tensor(3.0), torch.tensor(7.0)]  # what Adam keeps on the host beside device moments
+    assert copies_host_tensors_itself(steps, on_gpu=True)
+    assert not copies_host_tensors_itself(steps, on_gpu=False), "without a GPU the copy thread copies everything"
+    offloaded = [torch.empty(INLINE_HOST_BYTES + 1, dtype=torch.uint8, device="meta")]  # sized, never allocated
+    assert not copies_host_tensors_itself(offloaded, on_gpu=True), "a large host part is left to the copy thread"

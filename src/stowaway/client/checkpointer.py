@@ -182,6 +182,7 @@ class Checkpointer:
                          waiting: float) -> SaveHandle:
         """Take a slot, queue the device copies, and leave the rest of the copy and the persist to the copy thread."""
         slot = self._slots.take(step)
+        host_now = staging.copies_host_tensors_itself(encoded.sources, bool(encoded.cuda_devices))
         try:
             slot_wait = time.perf_counter() - waiting
             generation = self._slots.begin(slot, encoded)
@@ -189,6 +190,8 @@ class Checkpointer:
             codec.write_header(encoded, slot.payload())
             events = (codec.enqueue_device_copies(encoded, views, self._stager.side_streams(encoded.cuda_devices))
                       if encoded.cuda_devices else {})
+            if host_now:  # while the device copies run
+                codec.copy_host_sources(encoded, views)
         except BaseException:
             self._slots.give_back_unsent(slot)
             raise
@@ -198,12 +201,13 @@ class Checkpointer:
                                    nbytes=encoded.nbytes, blocking_seconds=blocking, slot_wait_seconds=slot_wait)
 
         def copy() -> None:
-            codec.copy_host_sources(encoded, views)
+            if not host_now:
+                codec.copy_host_sources(encoded, views)
             for event in events.values():
                 event.synchronize()
             self._slots.finish(slot, step, generation, encoded.nbytes)
 
-        host_copies = any(source.device.type != "cuda" for source in encoded.sources)
+        host_copies = not host_now and any(source.device.type != "cuda" for source in encoded.sources)
         job = staging.Staging(handle, events, host_copies, started)
 
         def hand_over() -> None:
@@ -237,7 +241,8 @@ class Checkpointer:
         """Make ``optimizer.step()`` wait for the copy of a ``save(overlap=True)``; return the hook's handle.
 
         The step's pre-hook waits for the copy on the host (the copy thread),
-        or, when every tensor saved is on a GPU, makes each device's current
+        or, when the state is on a GPU (its few host tensors, such as Adam's
+        step counts, copied by ``save`` itself), makes each device's current
         stream wait for its copy's event, without blocking the host. Call
         ``.remove()`` on what it returns to drop the guard.
         """

@@ -3,8 +3,12 @@
 Between ``save(overlap=True)`` and the end of its copy the state is on loan
 to the copy: a change made meanwhile may reach the checkpoint. ``guard``
 ends the loan early the only safe way, by waiting: on the host for the copy
-thread, or, when every source is on a GPU, by making the current stream (the
-optimizer's) wait for the copies' events, which does not block the host.
+thread, or, when the copy thread copies nothing from host memory, by
+making the current stream (the optimizer's) wait for the copies' events,
+which does not block the host. A state on a GPU mostly is: ``save()``
+copies its few host tensors itself (Adam's step counts, RNG and scheduler
+states; ``copies_host_tensors_itself``), so a real optimizer's state gets
+the stream-ordered guard too.
 
 The slot stays the rank's (``WRITING`` in the ledger) until the copy has
 ended; only then does the copy thread hand it to the sidecar with
@@ -34,6 +38,21 @@ from stowaway.client.handle import SaveHandle
 from stowaway.errors import StagingTimeout
 
 log = logging.getLogger("stowaway")
+
+# Host bytes of a state with GPU tensors that save() copies itself rather than leave to the copy thread; beyond
+# it (a state offloaded to the host), the host copy is worth overlapping even though the guard then blocks.
+INLINE_HOST_BYTES = 16 * 2**20
+
+
+def copies_host_tensors_itself(sources: list[torch.Tensor], on_gpu: bool) -> bool:
+    """Whether ``save(overlap=True)`` copies the host sources before returning: with GPU sources, when they are few.
+
+    Then the copy thread only waits for the device copies, and a guard can
+    order the optimizer's stream after them instead of waiting on the host
+    for a thread.
+    """
+    host = sum(source.numel() * source.element_size() for source in sources if source.device.type != "cuda")
+    return on_gpu and host <= INLINE_HOST_BYTES
 
 
 @dataclass
