@@ -132,6 +132,23 @@ ROWS = (
     ("dlrover.restore.storage", "DLRover restore from storage (cold cache)"),
 )
 
+# python -m bench.training_step: a real training step with no save, a blocking save, an overlapped one (issue 26).
+STEP_TARGETS = (
+    Target("overlapped step / step without a save", "step.overlapped_save", ("step.no_save",), 1.05),
+    # At most 1.25: the blocking save copies at 80% or more of the reference's speed. The reference is the pinned
+    # copy on a GPU, the plain copy on the CPU; a run measures one of them.
+    Target("blocking save / copy reference", "save.blocking", ("reference.copy_pinned", "reference.copy"), 1.25),
+)
+STEP_ROWS = (
+    ("step.no_save", "training step, no checkpoint"),
+    ("step.blocking_save", "save(), then the training step"),
+    ("save.blocking", "save() itself (blocking: the copy into the slot)"),
+    ("step.overlapped_save", "save(overlap=True), then the training step (guarded optimizer)"),
+    ("save.overlapped.staging", "save(overlap=True): from save() to the end of its copy"),
+    ("reference.copy_pinned", "reference: non-blocking copy_ into pinned shared memory (GPU)"),
+    ("reference.copy", "reference: copy_ into resident shared memory"),
+)
+
 # Sizes each run records beside the timings, in bytes, and the decimals to show them in MiB with. A row is
 # shown where every result holds it: a run recorded before a size was measured lacks it, and so does a run
 # without DLRover for DLRover's.
@@ -246,3 +263,19 @@ def markdown(results: list[dict[str, Any]], command: str, machine: str) -> str:
         same = sorted((r for r in results if r["total"] == size), key=lambda r: r["ranks"])
         sections += [f"\n### {size_label(size)} in total\n", times_table(same)]
     return "\n".join(sections) + "\n"
+
+
+def step_markdown(result: dict[str, Any], command: str, machine: str) -> str:
+    """The report of ``python -m bench.training_step``: its targets, then every measurement."""
+    seconds = result["seconds"]
+    lines = [f"Command: `{command}`  \nMachine: {machine}\n",
+             f"{result['layers']} layers of {result['width']} features, {result['batch']} rows a step; "
+             f"{size_label(result['bytes'])} checkpointed on {result['device']}\n",
+             "| target (medians) | ratio | bound |", "|---|---:|---:|"]
+    for target in STEP_TARGETS:
+        present = tuple(name for name in target.denominators if name in seconds)
+        value = ratio(seconds, Target(target.label, target.numerator, present, target.bound))
+        lines.append(f"| {target.label} | {value:.3f} {'✓' if value <= target.bound else '✗'} | ≤ {target.bound} |")
+    lines += ["", "| milliseconds: median (min-max) | |", "|---|---:|"]
+    lines += [f"| {label} | {_spread(seconds[key])} |" for key, label in STEP_ROWS if key in seconds]
+    return "\n".join(lines) + "\n"

@@ -138,8 +138,12 @@ class RankProcess:
 
     def send(self, **command: Any) -> None:
         assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            raise AssertionError(f"rank process ended (status {self.process.wait(DEADLINE)}) before {command}:\n"
+                                 f"{self.log_path.read_text()}") from None
 
     def read(self, timeout: float = DEADLINE) -> dict[str, Any]:
         assert self.process.stdout is not None
@@ -156,8 +160,8 @@ class RankProcess:
         assert "error" not in answer or "committed" in answer, answer
         return answer
 
-    def save(self, step: int, numel: int = 1024) -> dict[str, Any]:
-        return self.call(op="save", step=step, numel=numel)
+    def save(self, step: int, numel: int = 1024, overlap: bool = False) -> dict[str, Any]:
+        return self.call(op="save", step=step, numel=numel, overlap=overlap)
 
     def wait(self, step: int, timeout: float = 30) -> dict[str, Any]:
         return self.call(op="wait", step=step, timeout=timeout)
@@ -178,6 +182,11 @@ class RankProcess:
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(timeout=DEADLINE)
+
+    def replies_left(self) -> list[dict[str, Any]]:
+        """The replies an ended process wrote and nobody read: what it had done before it died."""
+        assert self.process.poll() is not None and self.process.stdout is not None
+        return [json.loads(line) for line in self.process.stdout.read().splitlines() if line.strip()]
 
 
 def collective(ranks: list[RankProcess], **command: Any) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -31,15 +32,31 @@ def state_for(rank: int, step: int, numel: int) -> dict[str, object]:
 def main() -> None:
     ckpt = Checkpointer(timeout=float(os.environ.get("STOWAWAY_TEST_TIMEOUT", "30")))
     handles = {}
+    saved: dict[str, object] = {}  # the state of the last save, which "guarded" changes
     reply({"ready": True, "rank": ckpt.rank})
     for line in sys.stdin:
         command = json.loads(line)
         op = command["op"]
         try:
             if op == "save":
-                handle = ckpt.save(command["step"], state_for(ckpt.rank, command["step"], command.get("numel", 1024)))
+                # With "overlap", save(overlap=True): the reply comes while the copy thread may still be copying.
+                # "copy_delay" makes its copy slow: the copy thread sleeps that long before copying.
+                delay = command.get("copy_delay")
+                ckpt._stager._before_copy = None if delay is None else lambda step, delay=delay: time.sleep(delay)
+                saved = state_for(ckpt.rank, command["step"], command.get("numel", 1024))
+                handle = ckpt.save(command["step"], saved, overlap=command.get("overlap", False))
                 handles[command["step"]] = handle
                 reply({"saved": command["step"], "blocking": handle.blocking_seconds})
+            elif op == "guarded":
+                # A change of the saved state, as a training step makes it: waits for an overlapped copy to end.
+                with ckpt.guarded():
+                    copied = all(handle.staged() for handle in handles.values())
+                    saved["w"].add_(1)
+                reply({"copied_first": copied})
+            elif op == "staged":
+                reply({"staged": handles[command["step"]].staged()})
+            elif op == "overlap_seconds":
+                reply({"staging": ckpt.staging_seconds, "stall": ckpt.stall_seconds, "hidden": ckpt.overlap_seconds})
             elif op == "save_and_die":
                 ckpt.save(command["step"], state_for(ckpt.rank, command["step"], command.get("numel", 1024)))
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -7,12 +7,14 @@ same checks run on the device machine (see docs/benchmarks.md).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from stowaway import Checkpointer
+from stowaway import Checkpointer, read_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -120,3 +122,49 @@ def test_an_overlapped_save_of_device_tensors_holds_the_values_before_a_guarded_
     for step, values in expected.items():
         stored = load_file(storage / "gpu-overlap" / f"step-{step:012d}" / "rank-00000-of-00001.safetensors")
         assert torch.equal(stored["w"], values), f"step {step}: the stored bytes are not those before the step"
+
+
+def leaves(value: Any, path: str = "") -> dict[str, Any]:
+    """Every leaf of a state by its path, tensors on the host: what a stored checkpoint is compared by."""
+    if isinstance(value, dict):
+        return {where: leaf for key, item in value.items() for where, leaf in leaves(item, f"{path}/{key}").items()}
+    if isinstance(value, list | tuple):
+        return {where: leaf for index, item in enumerate(value)
+                for where, leaf in leaves(item, f"{path}/{index}").items()}
+    return {path: value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value}
+
+
+def test_an_overlapped_save_of_a_model_and_its_adam_state_holds_the_values_before_each_guarded_step(
+    start_sidecar, storage
+):
+    """A real optimizer's state mixes device tensors with Adam's step counts on the host; both are saved exact."""
+    sidecar = start_sidecar()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).cuda()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    inputs = torch.randn(512, 1024, device="cuda")
+
+    def backward() -> None:
+        optimizer.zero_grad()
+        model(inputs).square().mean().backward()
+
+    def state() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    backward()
+    optimizer.step()
+    with Checkpointer(job="gpu-adam", socket=sidecar.socket, rank=0, world_size=1, timeout=60) as ckpt:
+        ckpt.guard(optimizer)
+        expected = {}
+        for step in range(1, 6):
+            backward()
+            expected[step] = leaves(state())
+            handle = ckpt.save(step, state(), overlap=True)
+            optimizer.step()  # at once: the guard makes it wait for the copies
+            handle.wait(60)
+    for step, values in expected.items():
+        stored = leaves(read_checkpoint(storage / "gpu-adam", step)[1])
+        assert stored.keys() == values.keys(), f"step {step}: {sorted(stored.keys() ^ values.keys())}"
+        differ = [where for where, value in values.items() if not (
+            torch.equal(stored[where], value) if isinstance(value, torch.Tensor) else stored[where] == value)]
+        assert not differ, f"step {step}: {differ} are not the values before the step"

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from data_path.processes import wait_for
 from stowaway import Checkpointer, SaveFailed, StagingTimeout, read_checkpoint
 from stowaway.client.ledger import SlotState
 
@@ -213,3 +214,23 @@ def test_an_overlapped_dtensor_shard_is_checkpointed_with_its_pre_step_values(st
         assert torch.equal(bits(stored["w"]), bits(expected))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_copy_that_ends_while_the_sidecar_is_gone_fails_its_save_and_frees_its_slot(start_sidecar):
+    """The persist cannot be sent: the save fails, and its slot is the rank's again, not WRITING for good."""
+    sidecar = start_sidecar()
+    state = {"w": torch.ones(1000)}
+    release = threading.Event()
+    with Checkpointer(job="gone", socket=sidecar.socket, rank=0, world_size=1, slots=2, timeout=60) as ckpt:
+        ckpt._stager._before_copy = lambda step: release.wait(HOLD) or None
+        handle = ckpt.save(1, state, overlap=True)
+        sidecar.kill()
+        wait_for(lambda: not ckpt._link.connected, "the rank to see the sidecar gone")
+        release.set()
+        with pytest.raises(SaveFailed, match="step 1 was not committed: the connection to the sidecar was lost"):
+            handle.wait(60)
+        assert ckpt._ledger.states() == [SlotState.IDLE, SlotState.IDLE], "the unsent slot stayed taken"
+        ckpt._stager._before_copy = None
+        sidecar.start()
+        for step in (2, 3):  # one save into each slot
+            ckpt.save(step, state, overlap=True).wait(60)

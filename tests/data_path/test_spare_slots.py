@@ -155,3 +155,24 @@ def test_a_save_racing_the_allocation_of_the_spare_slot_lands_in_it_and_both_ste
     restored = rank.call(op="load", timeout=60)
     assert restored == {"step": 2, "intact": True, "numel": 2**20}
     rank.exit()
+
+
+def test_slots_grown_for_a_bigger_state_stop_growing_once_they_hold_it(start_sidecar):
+    """A spare is prepared for the state just saved, not for the slot it was saved in, which has headroom.
+
+    Prepared for the slot's capacity, each save grew the other slot by the
+    headroom (10%) again, since the two slots are written in turn: after a
+    state grew once, the slots grew without end, and a long run's ranks were
+    killed for memory (the kill campaign found it, at its 40th trial).
+    """
+    sidecar = start_sidecar()
+    with Checkpointer(job="grows", socket=sidecar.socket, rank=0, world_size=1, slots=2, timeout=60) as ckpt:
+        ckpt.save(1, {"w": torch.ones(2**16)}).wait(60)
+        ckpt._slots.join_spares()
+        big = {"w": torch.ones(2**18)}
+        for step in range(2, 14):
+            ckpt.save(step, big).wait(60)
+            ckpt._slots.join_spares()
+        capacities = [slot.capacity for slot in ckpt._slots.pool.slots]
+    nbytes = 2**18 * 4
+    assert all(nbytes <= capacity <= nbytes * 1.25 for capacity in capacities), capacities

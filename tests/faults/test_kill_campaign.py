@@ -12,6 +12,12 @@ what a user relies on:
 - ``load()`` returns one step, the newest committed one, intact on every rank;
 - the next save (at that step + 1, as a training loop continues) commits.
 
+It runs twice: with blocking saves, and with ``save(overlap=True)``, where
+``save()`` returns while the rank's copy thread still copies into the slot
+(``WRITING``), so a rank killed at ``WRITING`` after its save returned dies
+mid-staging. Such a slot stays torn: the rank never handed it over, and the
+trial checks that storage holds no file of it for that step.
+
 ``STOWAWAY_FAULT_TRIALS`` sets the number of trials (CI runs a few; see
 docs/reliability.md for the long run), ``STOWAWAY_FAULT_SEED`` replays a run,
 ``STOWAWAY_FAULT_REPORT`` names a JSON file that receives the tally.
@@ -48,6 +54,8 @@ SLOTS = 2
 SMALL = 2**17  # float64 elements: 1 MiB per rank
 BIG = 2**20  # 8 MiB per rank, so that a slot stays WRITING long enough to be caught
 RATE = 8 * 2**20  # bytes/s: a 1 MiB persist lasts about 125 ms, long enough to be caught mid-copy
+STAGING = 4 * BIG  # 32 MiB per rank: the copy thread copies for milliseconds after save() returned
+STAGING_ATTEMPTS = 5  # trials aimed at a rank's copy thread before the overlapped run gives up on catching it
 
 
 class Point(enum.IntEnum):
@@ -73,7 +81,10 @@ class Tally:
     trials: int = 0
     by_victim_target: Counter[str] = field(default_factory=Counter)
     by_victim_landed: Counter[str] = field(default_factory=Counter)
+    overlap: bool = False
     torn_slots_left: int = 0
+    # Of those, slots whose save() had returned: killed while the copy thread copied (overlap only).
+    killed_mid_staging: int = 0
     save_errors: Counter[str] = field(default_factory=Counter)
     committed: int = 0
     verified: int = 0
@@ -88,6 +99,7 @@ class Tally:
 class Campaign:
     def __init__(self, sidecar: SidecarProcess, start_rank: Callable[..., RankProcess], storage: Path,
                  tally: Tally) -> None:
+        self.overlap = tally.overlap
         self.sidecar = sidecar
         self.start_rank = start_rank
         self.job_path = storage / JOB
@@ -127,23 +139,35 @@ class Campaign:
                     continue  # not created yet, or created and not yet initialised
         return found
 
-    def trial(self, rng: random.Random) -> None:
+    def trial(self, rng: random.Random, mid_staging: bool = False) -> None:
+        """One trial; ``mid_staging`` aims at a rank whose ``save(overlap=True)`` has returned and still copies."""
         victim = rng.choice(sorted(TARGETS))
         target = rng.choice(TARGETS[victim])
         victim_rank = rng.randrange(WORLD)
+        if mid_staging:
+            victim, target = "rank", Point.WRITING
         step = max(self.committed, default=0) + 1
         watched = list(range(WORLD)) if victim == "sidecar" else [victim_rank]
-        numel = BIG if target is Point.WRITING else SMALL
-        self.tally.by_victim_target[f"{victim} at {target.name}"] += 1
+        numel = (STAGING if mid_staging else BIG) if target is Point.WRITING else SMALL
+        self.tally.by_victim_target[f"{victim} at {target.name}{' after save()' if mid_staging else ''}"] += 1
 
         for rank in self.ranks:
-            rank.send(op="save", step=step, numel=numel)
+            rank.send(op="save", step=step, numel=numel, overlap=self.overlap)
 
         def reached() -> Point | None:
             now = self.point(step, watched)
             return now if now >= target else None
 
-        landed = wait_for(reached, f"step {step} to reach {target.name}", interval=0.0005)
+        returned = False
+        if mid_staging:
+            # save() has returned once the rank replies; the copy thread copies on, its slot WRITING until done.
+            answer = self.ranks[victim_rank].read()
+            assert "saved" in answer, answer
+            returned = True
+            landed = self.point(step, watched)
+        else:
+            landed = wait_for(reached, f"step {step} to reach {target.name}", interval=0.0005)
+        torn = False
         if victim == "sidecar":
             self.sidecar.kill()
             landed = self.point(step, watched)  # frozen now: nothing else writes storage
@@ -151,8 +175,13 @@ class Campaign:
             self._collect_save_replies(self.ranks)  # saves blocked on the dead sidecar went to the new one
         else:
             self.ranks[victim_rank].kill()
-            if any(found.state is header.SlotState.WRITING for found in self.slot_headers([victim_rank])):
+            torn = any(found.state is header.SlotState.WRITING for found in self.slot_headers([victim_rank]))
+            returned = returned or any("saved" in answer for answer in self.ranks[victim_rank].replies_left())
+            if torn:
                 self.tally.torn_slots_left += 1
+                # A blocking save publishes its slot before it returns; only an overlapped one returns first.
+                assert self.overlap or not returned, f"step {step}: a blocking save returned with its slot torn"
+                self.tally.killed_mid_staging += int(returned)
             self._collect_save_replies([r for i, r in enumerate(self.ranks) if i != victim_rank])
         # Settle before load(): SIGTERM drains what the sidecar still persists or commits, so every rank's
         # load() sees the same committed steps. Without a process group nothing else makes ranks agree while
@@ -160,6 +189,8 @@ class Campaign:
         assert self.sidecar.stop() == 0, self.sidecar.log()[-3000:]
         self.sidecar.start()
         if victim == "rank":
+            if torn:
+                self.check_never_persisted(step, victim_rank)
             self.ranks[victim_rank] = self._start(victim_rank)
         self.tally.by_victim_landed[f"{victim} at {landed.name}"] += 1
 
@@ -167,7 +198,7 @@ class Campaign:
         restored = self.check_load()
         following = restored + 1
         for rank in self.ranks:
-            rank.save(following, numel=SMALL)
+            rank.save(following, numel=SMALL, overlap=self.overlap)
         for rank in self.ranks:
             answer = rank.wait(following)
             assert answer["committed"], f"the first save after the restart (step {following}) failed: {answer}"
@@ -183,6 +214,13 @@ class Campaign:
                 self.tally.save_errors[answer["type"]] += 1
             else:
                 assert "saved" in answer, answer
+
+    def check_never_persisted(self, step: int, rank: int) -> None:
+        """A slot the rank left torn never reaches storage: no file of the rank for that step, final or not."""
+        name = layout.rank_file_name(rank, WORLD)
+        step_path = layout.step_dir(self.job_path, step)
+        found = sorted(path.name for path in step_path.glob(f"{name}*")) if step_path.is_dir() else []
+        assert not found, f"step {step}: rank {rank} was killed with its slot torn, yet storage holds {found}"
 
     def check_storage(self) -> None:
         now = set(catalog.committed_steps(self.job_path))
@@ -211,22 +249,38 @@ class Campaign:
 
 
 @pytest.mark.timeout(120 + 40 * TRIALS)
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
 def test_kill_9_at_random_points_never_tears_or_loses_a_committed_checkpoint(
-    start_sidecar, start_rank, storage, capsys
+    start_sidecar, start_rank, storage, capsys, overlap
 ):
-    tally = Tally(SEED)
+    tally = Tally(SEED, overlap=overlap)
+    mode = "overlapped" if overlap else "blocking"
     with capsys.disabled():
-        print(f"\nkill campaign: {TRIALS} trials, seed {SEED} (replay: STOWAWAY_FAULT_SEED={SEED})", flush=True)
+        print(f"\nkill campaign ({mode} saves): {TRIALS} trials, seed {SEED} (replay: STOWAWAY_FAULT_SEED={SEED})",
+              flush=True)
     rng = random.Random(SEED)
     sidecar = start_sidecar(extra=["--write-rate-limit", str(RATE)])
     campaign = Campaign(sidecar, start_rank, storage, tally)
     for rank in campaign.ranks:
-        rank.save(1, numel=SMALL)
+        rank.save(1, numel=SMALL, overlap=overlap)
     for rank in campaign.ranks:
         assert rank.wait(1)["committed"]
     campaign.check_storage()
 
     started = time.monotonic()
+    if overlap:
+        # A kill during staging is the point of this run, and a random pick aims at it once in nine trials, often
+        # before save() returns: aim at it first, killing a rank once its save() returned, until the kill lands
+        # before its copy ended (each try is a full trial).
+        for attempt in range(STAGING_ATTEMPTS):
+            try:
+                campaign.trial(rng, mid_staging=True)
+            except AssertionError as exc:
+                raise AssertionError(f"seed {SEED}, kill during staging, try {attempt}: {exc}") from exc
+            if tally.killed_mid_staging:
+                break
+        assert tally.killed_mid_staging, f"no kill landed during staging in {STAGING_ATTEMPTS} tries: {tally}"
+    aimed = tally.trials
     for index in range(TRIALS):
         try:
             campaign.trial(rng)
@@ -237,8 +291,10 @@ def test_kill_9_at_random_points_never_tears_or_loses_a_committed_checkpoint(
     every = subprocess.run([sys.executable, "-m", "stowaway", "verify", str(storage / JOB)],
                            capture_output=True, text=True, timeout=600)
     assert every.returncode == 0, every.stdout[-3000:] + every.stderr
-    assert tally.trials == TRIALS and tally.lost == 0 and tally.torn == 0
+    assert tally.trials == aimed + TRIALS and tally.lost == 0 and tally.torn == 0
     with capsys.disabled():
-        print(f"kill campaign: {json.dumps(tally.as_json(), sort_keys=True)}", flush=True)
+        print(f"kill campaign ({mode} saves): {json.dumps(tally.as_json(), sort_keys=True)}", flush=True)
     if REPORT:
-        Path(REPORT).write_text(json.dumps(tally.as_json(), indent=2, sort_keys=True) + "\n")
+        # One file per mode: the blocking run's at the path given, the overlapped run's beside it.
+        path = Path(REPORT) if not overlap else Path(REPORT).with_stem(f"{Path(REPORT).stem}-overlapped")
+        path.write_text(json.dumps(tally.as_json(), indent=2, sort_keys=True) + "\n")

@@ -20,8 +20,8 @@ def test_the_dashboard_has_a_stable_uid_and_datasource_namespace_and_job_variabl
     assert {"namespace", "job"} <= set(variables)
     titles = {panel["title"] for panel in dashboard.panels(board)}
     assert {"Save blocking time", "Persist time", "Commit time", "Throughput", "Slot wait", "Failures by reason",
-            "Restores by source", "Age of the last committed checkpoint", "Ranks connected", "Slots in flight",
-            "Injections by result", "Webhook latency", "Policy reconcile errors"} <= titles
+            "Restores by source", "Overlapped saves", "Age of the last committed checkpoint", "Ranks connected",
+            "Slots in flight", "Injections by result", "Webhook latency", "Policy reconcile errors"} <= titles
 
 
 def test_every_sidecar_panel_query_filters_by_namespace_and_job() -> None:

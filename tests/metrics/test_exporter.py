@@ -7,6 +7,7 @@ import errno
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from metrics.promtools import sample_names, samples
@@ -142,3 +143,31 @@ def test_every_failure_kind_the_sidecar_can_report_is_a_known_reason() -> None:
                     kinds.add(argument.value)
     assert {"commit_timeout", "peer_refused", "protocol", "internal", "restore_corrupt"} <= kinds, kinds
     assert kinds <= set(FAILURE_REASONS), sorted(kinds - set(FAILURE_REASONS))
+
+
+def persist(**overlap: float | None) -> messages.Persist:
+    return messages.Persist(run="r", step=1, slot=0, generation=1, nbytes=1, blocking_seconds=0.002,
+                            slot_wait_seconds=0.0, **overlap)
+
+
+def test_an_overlapped_save_feeds_staging_stall_and_hidden_seconds_and_a_blocking_one_none_of_them() -> None:
+    stats = fresh()
+    stats.staging_reported(persist())
+    stats.staging_reported(persist(staging_seconds=0.302, stall_seconds=0.1))
+    stats.staging_reported(persist(staging_seconds=0.052, stall_seconds=None))
+    found = scrape(stats)
+    assert found["stowaway_save_staging_seconds_count"] == 2
+    assert found["stowaway_save_staging_seconds_sum"] == 0.354
+    assert found['stowaway_save_staging_seconds_bucket{le="0.25"}'] == 1
+    assert found["stowaway_save_stall_seconds_count"] == 2 and found["stowaway_save_stall_seconds_sum"] == 0.1
+    # 0.302 - 0.002 - 0.1, plus 0.052 - 0.002
+    assert found["stowaway_save_overlap_hidden_seconds_total"] == pytest.approx(0.25)
+
+
+def test_nonsense_staging_times_sent_by_a_rank_are_dropped() -> None:
+    stats = fresh()
+    for staging, stall in ((-1.0, 0.0), (float("nan"), 0.0), (0.1, float("inf")), (0.1, -0.5)):
+        stats.staging_reported(persist(staging_seconds=staging, stall_seconds=stall))
+    found = scrape(stats)
+    assert found["stowaway_save_staging_seconds_count"] == 0 and found["stowaway_save_stall_seconds_count"] == 0
+    assert found["stowaway_save_overlap_hidden_seconds_total"] == 0

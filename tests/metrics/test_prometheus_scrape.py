@@ -1,4 +1,4 @@
-"""A real Prometheus scrapes a sidecar while three ranks save 30 steps.
+"""A real Prometheus scrapes a sidecar while three ranks save 30 steps, every other one with ``overlap=True``.
 
 What the ranks measured must be what Prometheus reports, and every dashboard
 query must return data. Synchronisation is on what Prometheus has observably
@@ -35,6 +35,7 @@ POLL = 0.2
 class ObservedRun:
     prometheus: PrometheusServer
     blocking: list[float]
+    staging: list[float]
     started_unix: float
 
 
@@ -57,12 +58,14 @@ def observed_run() -> Iterator[ObservedRun]:
         # A scraped zero before the first save: rate() then covers every observation.
         until_prometheus_has(prometheus, "stowaway_save_blocking_seconds_count", 0)
         started_unix = time.time()
-        blocking = [rank.save(step)["blocking"] for step in range(STEPS) for rank in ranks]
+        blocking = [rank.save(step, overlap=step % 2 == 1)["blocking"] for step in range(STEPS) for rank in ranks]
         for rank in ranks:
             assert rank.wait(STEPS - 1)["committed"]
+        staging = [seconds for rank in ranks for seconds in rank.call(op="overlap_seconds")["staging"]]
         until_prometheus_has(prometheus, "stowaway_save_blocking_seconds_count", RANKS * STEPS)
+        until_prometheus_has(prometheus, "stowaway_save_staging_seconds_count", RANKS * (STEPS // 2))
         until_prometheus_has(prometheus, "stowaway_last_committed_step", STEPS - 1)
-        yield ObservedRun(prometheus, blocking, started_unix)
+        yield ObservedRun(prometheus, blocking, staging, started_unix)
     finally:
         for rank in ranks:
             rank.kill()
@@ -82,6 +85,12 @@ def bucket_bounds(value: float) -> tuple[float, float]:
 def test_prometheus_holds_every_blocking_time_the_ranks_measured(observed_run: ObservedRun) -> None:
     total = observed_run.prometheus.value("stowaway_save_blocking_seconds_sum")
     assert total == pytest.approx(sum(observed_run.blocking), rel=1e-9)
+
+
+def test_prometheus_holds_every_staging_time_of_the_overlapped_saves(observed_run: ObservedRun) -> None:
+    assert len(observed_run.staging) == RANKS * (STEPS // 2)
+    total = observed_run.prometheus.value("stowaway_save_staging_seconds_sum")
+    assert total == pytest.approx(sum(observed_run.staging), rel=1e-9)
 
 
 def test_the_median_blocking_time_from_promql_lies_in_the_bucket_of_the_ranks_median(

@@ -102,6 +102,8 @@ WIRE = [
     (TO_SIDECAR, {"type": "register", "slot": 1, "capacity": 4096}),
     (TO_SIDECAR, {"type": "persist", "run": "r", "step": 7, "slot": 1, "generation": 3, "nbytes": 100,
                   "blocking_seconds": 0.25, "slot_wait_seconds": 0}),
+    (TO_SIDECAR, {"type": "persist", "run": "r", "step": 8, "slot": 0, "generation": 4, "nbytes": 100,
+                  "blocking_seconds": 0.001, "slot_wait_seconds": 0, "staging_seconds": 0.5, "stall_seconds": 0.1}),
     (TO_SIDECAR, {"type": "query"}),
     (TO_SIDECAR, {"type": "stage", "step": 7, "slot": 0}),
     (TO_SIDECAR, {"type": "restored", "step": 7, "source": "memory", "seconds": 0.031}),
@@ -152,3 +154,30 @@ def test_a_long_value_outside_a_literal_is_shortened_in_the_error():
         messages.decode({"type": "restored", "step": 3, "source": "x" * 60_000, "seconds": 0}, TO_SIDECAR)
     # The error goes back to the peer in one frame, which a 60 kB value would overflow.
     assert len(str(refused.value)) < 200
+
+
+def test_a_persist_without_the_optional_staging_fields_is_a_blocking_save_and_encodes_without_them():
+    """A client that predates them sends none; a sidecar that predates them never sees them for a blocking save."""
+    wire = {"type": "persist", "run": "r", "step": 7, "slot": 1, "generation": 3, "nbytes": 100,
+            "blocking_seconds": 0.25, "slot_wait_seconds": 0}
+    decoded = messages.decode(wire, TO_SIDECAR)
+    assert isinstance(decoded, messages.Persist)
+    assert decoded.staging_seconds is None and decoded.stall_seconds is None and decoded.hidden_seconds is None
+    assert messages.encode(decoded) == wire
+    assert messages.decode({**wire, "staging_seconds": None}, TO_SIDECAR) == decoded
+
+
+@pytest.mark.parametrize(("staging", "stall", "hidden"), [(0.5, 0.1, 0.15), (0.5, None, 0.25), (0.3, 0.2, 0.0)])
+def test_the_hidden_copy_time_is_staging_less_blocking_less_stall_never_negative(staging, stall, hidden):
+    persist = messages.Persist(run="r", step=1, slot=0, generation=1, nbytes=1, blocking_seconds=0.25,
+                               slot_wait_seconds=0, staging_seconds=staging, stall_seconds=stall)
+    assert persist.hidden_seconds == pytest.approx(hidden)
+
+
+def test_optional_staging_fields_are_checked_like_the_others():
+    wire = {"type": "persist", "run": "r", "step": 7, "slot": 1, "generation": 3, "nbytes": 100,
+            "blocking_seconds": 0.25, "slot_wait_seconds": 0}
+    with pytest.raises(messages.MessageError, match=r"persist.staging_seconds must be int or float or NoneType"):
+        messages.decode({**wire, "staging_seconds": "slow"}, TO_SIDECAR)
+    with pytest.raises(messages.MessageError, match=r"persist.stall_seconds must be int or float or NoneType, got a b"):
+        messages.decode({**wire, "stall_seconds": True}, TO_SIDECAR)

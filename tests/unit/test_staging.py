@@ -6,9 +6,10 @@ import threading
 import time
 
 import pytest
+import torch
 
 from stowaway.client.handle import SaveHandle
-from stowaway.client.staging import Stager, Staging
+from stowaway.client.staging import INLINE_HOST_BYTES, Stager, Staging, copies_host_tensors_itself
 from stowaway.errors import SaveFailed, StagingTimeout
 
 
@@ -63,3 +64,57 @@ def test_a_stuck_copy_ends_waits_with_a_timeout_and_close_leaves_it_alone():
     assert stager.stall_seconds and stager.stall_seconds[0] >= 0.2
     assert not stager.close(), "close() said the copy ended while it still runs"
     release.set()
+
+
+def test_a_wait_that_begins_during_the_copy_is_its_stall_known_before_the_persist():
+    stager = Stager(rank=0, timeout=5)
+    job = staging(5)
+    release = threading.Event()
+    at_hand_over: list[tuple[float | None, float]] = []
+
+    def copy_until_someone_waits() -> None:
+        release.wait(5)
+
+    def release_once_waited() -> None:
+        deadline = time.monotonic() + 5
+        while job.stalled_since is None and time.monotonic() < deadline:
+            time.sleep(0.001)  # polls what the waiter records; the wait itself is what is measured
+        release.set()
+
+    stager.start(job, copy_until_someone_waits, lambda: at_hand_over.append((job.seconds, job.stall)), lambda: None)
+    releaser = threading.Thread(target=release_once_waited)
+    releaser.start()
+    stager.wait("the guard")
+    releaser.join()
+    assert release.is_set() and job.stalled_since is not None
+    [(seconds, stall)] = at_hand_over
+    assert seconds is not None and 0 < stall <= seconds
+    assert stall <= stager.stall_seconds[0], "the stall ends with the copy, the wait only once it is handed over"
+    assert stager.close()
+
+
+def test_a_wait_that_begins_after_the_copy_ended_is_no_stall_of_it():
+    stager = Stager(rank=0, timeout=5)
+    job = staging(6)
+    handing_over, hand_over_done = threading.Event(), threading.Event()
+
+    def slow_hand_over() -> None:
+        handing_over.set()
+        hand_over_done.wait(5)
+
+    stager.start(job, lambda: None, slow_hand_over, lambda: None)
+    assert handing_over.wait(5)
+    finisher = threading.Thread(target=hand_over_done.set)  # the wait below begins while the persist is sent, or after
+    finisher.start()
+    stager.wait("the next save")
+    finisher.join()
+    assert job.stalled_since is None and job.stall == 0.0
+    assert stager.close()
+
+
+def test_save_copies_the_host_tensors_itself_only_beside_gpu_tensors_and_only_a_few_bytes_of_them():
+    steps = [torch.tensor(3.0), torch.tensor(7.0)]  # what Adam keeps on the host beside device moments
+    assert copies_host_tensors_itself(steps, on_gpu=True)
+    assert not copies_host_tensors_itself(steps, on_gpu=False), "without a GPU the copy thread copies everything"
+    offloaded = [torch.empty(INLINE_HOST_BYTES + 1, dtype=torch.uint8, device="meta")]  # sized, never allocated
+    assert not copies_host_tensors_itself(offloaded, on_gpu=True), "a large host part is left to the copy thread"

@@ -11,6 +11,7 @@ copies a ``save(overlap=True)`` behind the training loop and guards the state.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import os
@@ -103,6 +104,7 @@ class Checkpointer:
         self.allow_pickle = allow_pickle
         self.blocking_seconds: list[float] = []
         self.slot_wait_seconds: list[float] = []
+        self._hidden_seconds = 0.0  # see overlap_seconds; added to by the copy thread only
         self._encoder = codec.Encoder()
         self._run = env.RunId(run_id, self.world_size)
         self._closed = False
@@ -180,6 +182,7 @@ class Checkpointer:
                          waiting: float) -> SaveHandle:
         """Take a slot, queue the device copies, and leave the rest of the copy and the persist to the copy thread."""
         slot = self._slots.take(step)
+        host_now = staging.copies_host_tensors_itself(encoded.sources, bool(encoded.cuda_devices))
         try:
             slot_wait = time.perf_counter() - waiting
             generation = self._slots.begin(slot, encoded)
@@ -187,6 +190,8 @@ class Checkpointer:
             codec.write_header(encoded, slot.payload())
             events = (codec.enqueue_device_copies(encoded, views, self._stager.side_streams(encoded.cuda_devices))
                       if encoded.cuda_devices else {})
+            if host_now:  # while the device copies run
+                codec.copy_host_sources(encoded, views)
         except BaseException:
             self._slots.give_back_unsent(slot)
             raise
@@ -196,14 +201,29 @@ class Checkpointer:
                                    nbytes=encoded.nbytes, blocking_seconds=blocking, slot_wait_seconds=slot_wait)
 
         def copy() -> None:
-            codec.copy_host_sources(encoded, views)
+            if not host_now:
+                codec.copy_host_sources(encoded, views)
             for event in events.values():
                 event.synchronize()
             self._slots.finish(slot, step, generation, encoded.nbytes)
 
-        host_copies = any(source.device.type != "cuda" for source in encoded.sources)
-        self._stager.start(staging.Staging(handle, events, host_copies, started), copy,
-                           lambda: self._hand_over(slot, request, handle), lambda: self._slots.give_back_unsent(slot))
+        host_copies = not host_now and any(source.device.type != "cuda" for source in encoded.sources)
+        job = staging.Staging(handle, events, host_copies, started)
+
+        def hand_over() -> None:
+            """Persist, telling the sidecar what the copy cost (known now, at its end); unsent, the slot is idle again.
+
+            As ``taken`` does for a blocking save: a persist the connection
+            could not carry fails the save, and must not keep its slot.
+            """
+            measured = dataclasses.replace(request, staging_seconds=job.seconds, stall_seconds=job.stall)
+            self._hidden_seconds += measured.hidden_seconds or 0.0
+            try:
+                self._hand_over(slot, measured, handle)
+            finally:
+                self._slots.give_back_unsent(slot)
+
+        self._stager.start(job, copy, hand_over, lambda: self._slots.give_back_unsent(slot))
         return handle
 
     def _hand_over(self, slot: ClientSlot, request: messages.Persist, handle: SaveHandle) -> None:
@@ -221,7 +241,8 @@ class Checkpointer:
         """Make ``optimizer.step()`` wait for the copy of a ``save(overlap=True)``; return the hook's handle.
 
         The step's pre-hook waits for the copy on the host (the copy thread),
-        or, when every tensor saved is on a GPU, makes each device's current
+        or, when the state is on a GPU (its few host tensors, such as Adam's
+        step counts, copied by ``save`` itself), makes each device's current
         stream wait for its copy's event, without blocking the host. Call
         ``.remove()`` on what it returns to drop the guard.
         """
@@ -245,8 +266,13 @@ class Checkpointer:
 
     @property
     def overlap_seconds(self) -> float:
-        """Copy time the training loop did not wait for: staging seconds less stall seconds, over the run."""
-        return max(0.0, sum(self.staging_seconds) - sum(self.stall_seconds))
+        """Copy time the training loop did not wait for, over the run's overlapped saves handed to the sidecar.
+
+        Per save, its staging seconds less what ``save()`` blocked for and
+        less its stall (``messages.Persist.hidden_seconds``), as the
+        sidecar's ``stowaway_save_overlap_hidden_seconds_total`` counts it.
+        """
+        return self._hidden_seconds
 
     @_collector_paused
     def load(self, step: int | None = None, map_location: Any = "cpu",

@@ -139,7 +139,9 @@ class RankSlots:
             return False
         self._ledger.persisting(slot.index, request.step, request.generation)
         assert self._spares is not None
-        self._spares.prepare(slot.capacity)
+        # For the state just saved, not for this slot's capacity: that has headroom, which a spare grown to it
+        # would add again, and slots written in turn would then grow by it at every save.
+        self._spares.prepare(request.nbytes)
         return True
 
     def stage(self, slot: ClientSlot, step: int) -> messages.ToClient:

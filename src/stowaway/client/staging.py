@@ -3,14 +3,23 @@
 Between ``save(overlap=True)`` and the end of its copy the state is on loan
 to the copy: a change made meanwhile may reach the checkpoint. ``guard``
 ends the loan early the only safe way, by waiting: on the host for the copy
-thread, or, when every source is on a GPU, by making the current stream (the
-optimizer's) wait for the copies' events, which does not block the host.
+thread, or, when the copy thread copies nothing from host memory, by
+making the current stream (the optimizer's) wait for the copies' events,
+which does not block the host. A state on a GPU mostly is: ``save()``
+copies its few host tensors itself (Adam's step counts, RNG and scheduler
+states; ``copies_host_tensors_itself``), so a real optimizer's state gets
+the stream-ordered guard too.
 
 The slot stays the rank's (``WRITING`` in the ledger) until the copy has
 ended; only then does the copy thread hand it to the sidecar with
 ``persist``, so the sidecar still reads only slots it owns. One copy thread
 per checkpointer and one copy at a time: every save first waits (bounded)
 for the copy before it, so steps reach the sidecar in the order saved.
+
+What each copy cost is known before its persist is sent, which carries it
+to the sidecar's metrics: its staging seconds, and its stall, from the
+first host wait on it to the end of the copy (a wait that begins after the
+copy ended, while the persist is sent, does not count: the state was safe).
 """
 
 from __future__ import annotations
@@ -30,6 +39,21 @@ from stowaway.errors import StagingTimeout
 
 log = logging.getLogger("stowaway")
 
+# Host bytes of a state with GPU tensors that save() copies itself rather than leave to the copy thread; beyond
+# it (a state offloaded to the host), the host copy is worth overlapping even though the guard then blocks.
+INLINE_HOST_BYTES = 16 * 2**20
+
+
+def copies_host_tensors_itself(sources: list[torch.Tensor], on_gpu: bool) -> bool:
+    """Whether ``save(overlap=True)`` copies the host sources before returning: with GPU sources, when they are few.
+
+    Then the copy thread only waits for the device copies, and a guard can
+    order the optimizer's stream after them instead of waiting on the host
+    for a thread.
+    """
+    host = sum(source.numel() * source.element_size() for source in sources if source.device.type != "cuda")
+    return on_gpu and host <= INLINE_HOST_BYTES
+
 
 @dataclass
 class Staging:
@@ -43,6 +67,11 @@ class Staging:
     # When save() started: the staging time runs from there to the end of the copy.
     started: float
     finished: threading.Event = field(default_factory=threading.Event)
+    # When the training loop first waited on the host for this copy, if it did before the copy ended.
+    stalled_since: float | None = None
+    # Set by the copy thread at the end of the copy (before the persist): the copy's seconds, and the stall's.
+    seconds: float | None = None
+    stall: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +95,8 @@ class Stager:
         self._timeout = timeout
         self.staging_seconds: list[float] = []
         self.stall_seconds: list[float] = []
+        # Orders a waiter's start against the end of the copy, so a stall is counted in full or not at all.
+        self._clock = threading.Lock()
         self._current: Staging | None = None
         self._failed: Staging | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -102,6 +133,9 @@ class Stager:
         if staging is None or staging.finished.is_set():
             return
         began = time.perf_counter()
+        with self._clock:
+            if staging.seconds is None and staging.stalled_since is None:
+                staging.stalled_since = began
         ended = staging.finished.wait(self._timeout)
         self.stall_seconds.append(time.perf_counter() - began)
         if not ended:
@@ -177,5 +211,10 @@ class Stager:
                 staging.finished.set()
 
     def _staged(self, staging: Staging, error: str | None) -> None:
-        self.staging_seconds.append(time.perf_counter() - staging.started)
+        with self._clock:
+            ended = time.perf_counter()
+            staging.seconds = ended - staging.started
+            if staging.stalled_since is not None:
+                staging.stall = ended - staging.stalled_since
+        self.staging_seconds.append(staging.seconds)
         staging.handle._finish_staging(error)

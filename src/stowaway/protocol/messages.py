@@ -8,6 +8,11 @@ through ``decode`` or from code, so handlers never deal with a missing key or
 a string where a number belongs, and a bad message becomes one clear error
 frame instead of an exception deep inside the sidecar. ``encode`` gives back
 the JSON object, key for key as ``decode`` reads it.
+
+A field with a default is optional: added to a message type after its
+version, it MAY be absent from a frame (it then takes its default), and
+``encode`` leaves it out while it is None, so a peer that predates it reads
+the same frames as before, and ignores it when present.
 """
 
 from __future__ import annotations
@@ -146,6 +151,22 @@ class Persist(ToSidecar):
     nbytes: Int64
     blocking_seconds: float
     slot_wait_seconds: float
+    # Optional, for save(overlap=True) only: from save() to the end of its copy, and how long the training loop
+    # waited on the host for that copy (a guarded change, or the next save) until it ended.
+    staging_seconds: float | None = None
+    stall_seconds: float | None = None
+
+    @property
+    def hidden_seconds(self) -> float | None:
+        """Copy time of an overlapped save the training loop did not wait for; None for a blocking save.
+
+        The staging time less what ``save()`` blocked for (before the copy
+        ran behind the loop's back) and less the stall (when the loop waited
+        for it): the rank and the sidecar both count it this way.
+        """
+        if self.staging_seconds is None:
+            return None
+        return max(0.0, self.staging_seconds - self.blocking_seconds - (self.stall_seconds or 0.0))
 
 
 @dataclass(frozen=True)
@@ -306,6 +327,8 @@ def decode(frame: Mapping[str, Any], direction: Direction) -> Message:
     values: dict[str, object] = {}
     for name, hint in _hints(cls).items():
         if name not in frame:
+            if name in _optional(cls):
+                continue
             raise MessageError(f"{kind} message lacks field {name!r}")
         values[name] = _typed(hint, frame[name], f"{kind}.{name}")
     return cls(**values)
@@ -317,7 +340,9 @@ def encode(message: Message) -> dict[str, Any]:
 
 
 def _plain(record: Record) -> dict[str, Any]:
-    return {name: _json(getattr(record, name)) for name in _hints(type(record))}
+    optional = _optional(type(record))
+    return {name: _json(value) for name in _hints(type(record))
+            if (value := getattr(record, name)) is not None or name not in optional}
 
 
 def _json(value: object) -> object:
@@ -338,6 +363,19 @@ def _hints(cls: type[Record]) -> dict[str, object]:
 
 
 _SCHEMAS: dict[type[Record], dict[str, object]] = {}
+
+
+def _optional(cls: type[Record]) -> frozenset[str]:
+    """The fields of ``cls`` that have a default: a frame may lack them, and None ones are not encoded."""
+    optional = _OPTIONAL.get(cls)
+    if optional is None:
+        optional = _OPTIONAL[cls] = frozenset(
+            field.name for field in dataclasses.fields(cls) if field.default is not dataclasses.MISSING
+        )
+    return optional
+
+
+_OPTIONAL: dict[type[Record], frozenset[str]] = {}
 
 
 def _typed(hint: object, value: object, where: str) -> object:
@@ -377,6 +415,8 @@ def _record(cls: type[Record], value: dict[str, Any], where: str) -> Record:
     fields: dict[str, object] = {}
     for name, hint in _hints(cls).items():
         if name not in value:
+            if name in _optional(cls):
+                continue
             raise MessageError(f"{where} lacks field {name!r}")
         fields[name] = _typed(hint, value[name], f"{where}.{name}")
     return cls(**fields)

@@ -64,6 +64,21 @@ class SidecarMetrics:
             "Part of the blocking time a rank waited for a free slot because persisting lagged behind.",
             buckets=BUCKETS, registry=r,
         )
+        self.staging = Histogram(
+            "stowaway_save_staging_seconds",
+            "Per save(overlap=True): time from save() until its copy into shared memory ended, measured by the rank.",
+            buckets=BUCKETS, registry=r,
+        )
+        self.stall = Histogram(
+            "stowaway_save_stall_seconds",
+            "Per save(overlap=True): time the training loop waited on the host for its copy (a guard, the next save).",
+            buckets=BUCKETS, registry=r,
+        )
+        self.overlap_hidden = Counter(
+            "stowaway_save_overlap_hidden_seconds",
+            "Copy time of save(overlap=True) the training loop did not wait for (staging less blocking and stall).",
+            registry=r,
+        )
         self.persist_duration = Histogram(
             "stowaway_persist_duration_seconds",
             "Time from starting to copy a slot to storage until its file was durable.",

@@ -41,6 +41,7 @@ class SavePipeline:
             return
         state.busy.add(slot)
         self._stats.save_reported(request.blocking_seconds, request.slot_wait_seconds)
+        self._stats.staging_reported(request)
         task = asyncio.create_task(self._persist(state, request), name=f"persist {state.job}/{state.rank}/{step}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -13,6 +13,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
+from stowaway.protocol import messages
 from stowaway.sidecar.metrics import SidecarMetrics
 
 
@@ -41,6 +42,16 @@ class Stats:
         if _duration(blocking) and _duration(slot_wait):
             self.metrics.save_blocking.observe(blocking)
             self.metrics.slot_wait.observe(slot_wait)
+
+    def staging_reported(self, request: messages.Persist) -> None:
+        """A rank's measurements of the copy of one ``save(overlap=True)``, if it was one; nonsense is dropped."""
+        staging, stall, hidden = request.staging_seconds, request.stall_seconds or 0.0, request.hidden_seconds
+        if staging is None or hidden is None:
+            return
+        if all(_duration(value) for value in (staging, stall, request.blocking_seconds)):
+            self.metrics.staging.observe(staging)
+            self.metrics.stall.observe(stall)
+            self.metrics.overlap_hidden.inc(hidden)
 
     def restored(self, source: str, seconds: float) -> None:
         """A rank's report of one restore; its duration is the rank's measurement, so nonsense is dropped."""
