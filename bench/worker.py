@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from bench import references, state, system
+from bench import first_touch, references, state, system
 from stowaway import Checkpointer
 
 Results = dict[str, list[float]]
@@ -180,10 +180,16 @@ def measure_overlapped_saves(run: Run, training: dict[str, Any]) -> None:
     ``reserve`` faults both slots into this checkpointer's mapping (the one
     of the phase before is reused, so the rank holds two slots at most,
     never three) and encodes the state once, while the rank maps and unmaps
-    memory (``_mappings_during``); the first save then shows what it costs
-    a job that reserved ahead. The first overlapped save is the first into the
-    second slot.
+    memory (``_mappings_during``); with ``wait`` it returns once the first
+    save's slot is ready, the spare going on at the lowest priority. The
+    first-touch reference for the state's bytes, what the cold first save
+    that ``reserve`` replaces pays at least, is measured just before it.
+    The first save then shows what it costs a job that reserved ahead. The
+    first overlapped save is the first into the second slot.
     """
+    nbytes = state.nbytes_of(training)
+    # Before, not after: the spare still being allocated in the background would slow the reference down.
+    run.timed("reference.first_touch.first", lambda: first_touch.touch(nbytes))
     with Checkpointer(slots=2, timeout=1800) as ckpt:
         _mappings_during(run, lambda: ckpt.reserve(training, wait=True))
         step = run.reps + 1

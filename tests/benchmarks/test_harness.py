@@ -90,3 +90,15 @@ def test_the_benchmark_harness_first_touch_probe_times_each_round_and_says_wheth
                                 "this kernel reports no memory handed back to a host"))
     assert [line.split(":")[0] for line in lines[1:]] == ["round 0", "round 1"]
     assert all(line.endswith(" ms per MiB") and " 8 MiB in " in line for line in lines[1:])
+
+
+def test_the_allocation_probe_measures_reserve_spares_and_restores_against_their_references() -> None:
+    finished = subprocess.run([sys.executable, "-m", "bench.allocation", "--mib", "8", "--reps", "1"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    measured = {line.split()[0] for line in finished.stdout.splitlines() if " median " in line}
+    assert {"reference.first_touch", "save.first", "reserve.first_slot_left_before", "reserve.no_slot_yet",
+            "save.steady", "restore.memory", "reference.copy_out_fresh"} <= measured
+    for label in ("reserve(wait=True), first slot left before / first touch", "cold first save / first touch",
+                  "restore from memory / copy-out"):
+        assert f"{label}: " in finished.stdout

@@ -18,9 +18,9 @@ import torch
 
 from data_path.processes import wait_for
 from stowaway import Checkpointer
+from stowaway.client import spare_slots
 from stowaway.client.ledger import SlotLedger, SlotState
 from stowaway.client.pool import SlotPool
-from stowaway.client.spare_slots import SpareSlots
 from stowaway.slots import naming, shm
 from stowaway.storage import layout
 
@@ -51,7 +51,7 @@ def pool(short_tmp: Path):
 def test_the_other_slots_are_allocated_and_resident_before_a_save_uses_them(pool):
     cond = threading.Condition()
     ledger = SlotLedger(len(pool.slots), cond)
-    spares = SpareSlots(pool, ledger)
+    spares = spare_slots.SpareSlots(pool, ledger)
     pool.ensure_capacity(pool.slots[0], CAPACITY)
     with cond:
         spares.prepare(pool.slots[0].capacity)
@@ -112,7 +112,9 @@ def test_reserve_makes_every_slot_resident_before_the_first_save_which_then_land
     # A restarted rank finds its slots in shared memory, but its new mapping of them would still fault.
     with Checkpointer(job="reserve", socket=sidecar.socket, rank=0, world_size=1, slots=2, timeout=30) as ckpt:
         ckpt.reserve(state, wait=True)
-        assert all(resident_bytes(path) >= 2**23 for path in paths), "a slot left by the last process is not resident"
+        assert any(resident_bytes(path) >= 2**23 for path in paths), "reserve(wait=True) returned with no slot ready"
+        wait_for(lambda: all(resident_bytes(path) >= 2**23 for path in paths),
+                 "both slots left by the last process faulted into the new mapping")
         caplog.clear()
         step, restored = ckpt.load()
         assert "restored step 1 from memory" in caplog.text
@@ -121,10 +123,46 @@ def test_reserve_makes_every_slot_resident_before_the_first_save_which_then_land
         assert {path: (path.stat().st_ino, path.stat().st_size) for path in paths} == files
 
 
+def test_spares_are_allocated_at_the_lowest_priority_so_that_saves_meanwhile_keep_the_cores(pool):
+    cond = threading.Condition()
+    ledger = SlotLedger(len(pool.slots), cond)
+    spares = spare_slots.SpareSlots(pool, ledger)
+    pool.ensure_capacity(pool.slots[0], CAPACITY)
+    with cond:
+        spares.prepare(pool.slots[0].capacity)
+        allocator = spares._thread
+        assert allocator is not None
+        # The allocator cannot hand the spare back while this test holds the lock, so it is still alive here.
+        wait_for(lambda: pool.slots[1].file is not None and resident_bytes(pool.slots[1].file.path) >= CAPACITY,
+                 "the first spare allocated and faulted in")
+        assert allocator.is_alive() and allocator.native_id is not None
+        assert os.getpriority(os.PRIO_PROCESS, allocator.native_id) == spare_slots.BACKGROUND_NICE
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < spare_slots.BACKGROUND_NICE, \
+            "the priority of the training thread changed too"
+    spares.join(timeout=60)
+    assert ledger.states() == [SlotState.IDLE] * 3
+
+
+def test_reserve_prepares_the_slot_already_large_enough_first_and_hands_it_back_resident(pool):
+    cond = threading.Condition()
+    ledger = SlotLedger(len(pool.slots), cond)
+    spares = spare_slots.SpareSlots(pool, ledger)
+    pool.ensure_capacity(pool.slots[2], CAPACITY)
+    with cond:
+        first = spares.prepare(CAPACITY, every=True)
+        assert first == 2, "the slot already large enough, the cheapest to make ready, is not prepared first"
+        assert ledger.states() == [SlotState.ALLOCATING] * 3
+        assert cond.wait_for(lambda: ledger.state(2) is SlotState.IDLE, timeout=60)
+        assert resident_bytes(pool.slots[2].file.path) >= CAPACITY, "handed back before it was faulted in"
+    spares.join(timeout=60)
+    assert ledger.states() == [SlotState.IDLE] * 3
+    assert all(slot.capacity >= CAPACITY for slot in pool.slots)
+
+
 def test_a_slot_that_cannot_be_allocated_ahead_is_left_to_the_save_that_needs_it(pool, caplog):
     cond = threading.Condition()
     ledger = SlotLedger(len(pool.slots), cond)
-    spares = SpareSlots(pool, ledger)
+    spares = spare_slots.SpareSlots(pool, ledger)
     pool.ensure_capacity(pool.slots[0], CAPACITY)
     stats = os.statvfs(pool.shm_dir)
     too_big = stats.f_bavail * stats.f_frsize

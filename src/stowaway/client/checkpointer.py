@@ -135,8 +135,10 @@ class Checkpointer:
         the state holds every tensor it will (an optimizer creates its state
         at its first step), early enough for the allocation to end (on a
         thread of its own): a save arriving sooner waits for its slot. With
-        ``wait``, return once it has ended. Raises ``ShmCapacityError`` at
-        once if shared memory cannot hold the slots of every local rank.
+        ``wait``, return once the slot the first save writes is ready; the
+        other slots (spares for a save made while the previous one persists)
+        go on at the lowest priority. Raises ``ShmCapacityError`` at once if
+        shared memory cannot hold the slots of every local rank.
         """
         encoded = self._encoder.encode(state, self.allow_pickle)
         self._slots.reserve(encoded.nbytes, wait)

@@ -151,15 +151,20 @@ class RankSlots:
         return self._link.request(("stage", slot.index), messages.Stage(step=step, slot=slot.index))
 
     def reserve(self, nbytes: int, wait: bool) -> None:
-        """Allocate every slot for ``nbytes`` in the background; raise at once when shared memory is too small."""
+        """Allocate every slot for ``nbytes`` in the background; raise at once when shared memory is too small.
+
+        With ``wait``, return once the slot the first save will write is
+        ready; the spares go on in the background, as after any first save.
+        """
         spares = self._require_spares()
         # A preparation a save started may still run, and a second cannot start alongside it.
         spares.join(self._link.timeout)
         with self._lock:
             self.pool.check_room(nbytes)
-            spares.prepare(nbytes, every=True)
-        if wait:
-            spares.join(self._link.timeout)
+            first = spares.prepare(nbytes, every=True)
+        if wait and first is not None:
+            self._link.wait_until(lambda: self._ledger.state(first) is not SlotState.ALLOCATING,
+                                  f"slot {first} to be allocated and faulted in by reserve()", SlotWaitTimeout)
 
     def join_spares(self) -> None:
         """Wait (bounded) for the background allocation, which may be growing a slot a load is about to read."""
