@@ -1,9 +1,9 @@
 """One rank of an FSDP2 (or DDP, or 2-D FSDP x TP) job that saves on one world size and loads on another.
 
-    reshard_worker.py save|load|load_into <out dir> <layout>
+    reshard_worker.py save|load|load_into <out dir> <layout> [<step load() must return>]
 
-``layout`` is ``fsdp``, ``ddp`` or ``2d:<dp>x<tp>``. ``save`` trains two steps and saves step 2; the load
-modes restore the newest step (``load`` onto the mesh, ``load_into`` into the model's and optimizer's own
+``layout`` is ``fsdp``, ``ddp`` or ``2d:<dp>x<tp>``. ``save`` trains two steps and saves steps 1 and 2; the
+load modes restore the newest step they can (``load`` onto the mesh, ``load_into`` into the model's and optimizer's own
 tensors) and train one more step. Each writes, from rank 0, the full parameters and optimizer states it
 saved or restored to ``<out>/<mode>.pt``, and every rank its ``last_restore`` to ``<out>/<mode>-<rank>.json``.
 """
@@ -50,7 +50,8 @@ def trained_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) 
 
 
 def full(value: object) -> object:
-    return value.full_tensor() if isinstance(value, DTensor) else value.clone()
+    # Cloned: a full_tensor() that needs no communication shares the memory that the next step changes.
+    return (value.full_tensor() if isinstance(value, DTensor) else value).clone()
 
 
 def gathered(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -62,6 +63,7 @@ def gathered(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 def main() -> None:
     mode, out, layout = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    expected = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, mesh = built(layout, world)
@@ -70,17 +72,17 @@ def main() -> None:
         if mode == "save":
             for step in (1, 2):
                 trained_step(model, optimizer, step)
-            ckpt.save(2, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 5}).wait()
+                ckpt.save(step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 5}).wait()
         elif mode == "load":
             step, state = ckpt.load(device_mesh=mesh)
-            assert step == 2 and state["epoch"] == 5
+            assert step == expected and state["epoch"] == 5, step
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
         else:
             trained_step(model, optimizer, 99)  # the optimizer's state exists from its first step on
             into = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
             step, state = ckpt.load(into=into)
-            assert step == 2 and state["model"]["0.weight"] is into["model"]["0.weight"]
+            assert step == expected and state["model"]["0.weight"] is into["model"]["0.weight"], step
             optimizer.load_state_dict(state["optimizer"])
         restore = ckpt.last_restore
         (out / f"{mode}-{rank}.json").write_text(json.dumps(
