@@ -102,3 +102,18 @@ def test_a_corrupt_or_missing_saved_file_makes_every_new_rank_fall_back_to_the_o
     assert [restore["saved_by"] for restore in job(storage, 2, "load", short_tmp / "corrupt", step=1)] == [4, 4]
     stored.unlink()
     job(storage, 3, "load_into", short_tmp / "missing", step=1)
+
+
+@pytest.mark.timeout(600)
+def test_a_step_of_the_older_manifest_format_reshards_reading_each_file_whole(short_tmp):
+    storage = short_tmp / "s"
+    job(storage, 4, "save", short_tmp / "saved")
+    step_two = layout.step_dir(storage / "elastic", 2)
+    older = json.loads((step_two / layout.MANIFEST).read_text())
+    older["format_version"] = 1
+    older["files"] = [{key: entry[key] for key in ("rank", "name", "bytes", "xxh3_64")} for entry in older["files"]]
+    (step_two / layout.MANIFEST).write_text(json.dumps(older))
+    restores = job(storage, 2, "load", short_tmp / "older")
+    assert_identical(torch.load(short_tmp / "saved" / "save.pt"), torch.load(short_tmp / "older" / "load.pt"))
+    assert [restore["bytes_read"] for restore in restores] == [sum(stored_bytes(storage))] * 2, \
+        "without piece checksums every file is read and checked whole"
