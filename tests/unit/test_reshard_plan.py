@@ -101,3 +101,16 @@ def test_values_that_differ_between_saved_ranks_are_named_with_both_values():
     assert reshard.differences({0: tree(0, 1.0), 1: tree(1, 2.0)}) == [
         "state['rng']['seed'] is 1.0 in saved rank 0's file and 2.0 in rank 1's",
         "state['rng']['rank'] is 0 in saved rank 0's file and 1 in rank 1's"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_inspect_shows_the_indices_each_saved_shard_holds_as_the_planner_computes_them(layout):
+    from stowaway.format import shards
+
+    mesh_shape, names = layout
+    ranks = np.arange(int(np.prod(mesh_shape))).reshape(mesh_shape)[..., ::-1]
+    placements = [PLACEMENTS[name] for name in names]
+    for coordinate in itertools.product(*(range(size) for size in mesh_shape)):
+        rank = int(ranks[coordinate])
+        expected = shard_indices([13, 6], mesh_shape, list(coordinate), placements)
+        assert shards.held([13, 6], ranks.tolist(), rank, placements) == [ix.tolist() for ix in expected]
