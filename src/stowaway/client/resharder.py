@@ -96,17 +96,16 @@ class Resharder:
         if differing:
             raise WorldSizeChanged(self._unassignable(step, saved, "; ".join(differing)))
         source = self._rank % saved
-        tree, layout = headers[source]
-        placed = {item.spec.name: item for item in layout.tensors}
-        self._check_plain_equal(step, source, tree, headers, files)
-        specs = {name: item.spec for name, item in placed.items()}
+        tree = trees[source]
+        layouts = {rank: {item.spec.name: item for item in found.tensors} for rank, (_, found) in headers.items()}
+        starts = {rank: found.data_start for rank, (_, found) in headers.items()}
+        self._check_plain_equal(step, source, tree, layouts, starts, files)
+        specs = {name: item.spec for name, item in layouts[source].items()}
         destinations = None
         if into is not None:
             metas = {name: torch.empty(spec.shape, dtype=_TORCH_DTYPES[spec.dtype], device="meta")
                      for name, spec in specs.items()}
             destinations = in_place.match(tree, metas, into, reshard=True)
-        layouts = {rank: {item.spec.name: item for item in found.tensors} for rank, (_, found) in headers.items()}
-        starts = {rank: found.data_start for rank, (_, found) in headers.items()}
         reader = _Reader(files, layouts, starts)
         tensors: dict[str, torch.Tensor] = {}
         builder = _Builder(tree.get(nodes.TREE_MESHES, []), meshes)
@@ -144,7 +143,8 @@ class Resharder:
         replaced = destinations.by_node if destinations else None
         return tree_mod.unflatten(tree, tensors, builder, self._allow_pickle, replaced)
 
-    def _check_plain_equal(self, step: int, source: int, tree: dict[str, Any], headers: dict[int, Any],
+    def _check_plain_equal(self, step: int, source: int, tree: dict[str, Any],
+                           layouts: dict[int, dict[str, st.Placed]], starts: dict[int, int],
                            files: dict[int, StoredFile]) -> None:
         """Refuse a small plain tensor that differs between saved files: per-rank state no rule can assign.
 
@@ -152,17 +152,16 @@ class Resharder:
         would read its pieces); where they differ, they are read checked, so that a corrupt file is told apart
         from state that differs per rank.
         """
-        _, layout = headers[source]
         for name in reshard.plain_tensor_names(tree):
-            item = next(placed for placed in layout.tensors if placed.spec.name == name)
+            item = layouts[source][name]
             if item.end - item.begin > CHECKED_PLAIN_BYTES:
                 continue
-            expected = bytes(files[source].read(layout.data_start + item.begin, layout.data_start + item.end))
-            for rank, (_, found) in sorted(headers.items()):
-                other = next((placed for placed in found.tensors if placed.spec.name == name), None)
+            expected = bytes(files[source].read(starts[source] + item.begin, starts[source] + item.end))
+            for rank in sorted(layouts):
+                other = layouts[rank].get(name)
                 if rank == source or other is None:
                     continue
-                begin, end = found.data_start + other.begin, found.data_start + other.end
+                begin, end = starts[rank] + other.begin, starts[rank] + other.end
                 if files[rank].peek(begin, end) == expected or bytes(files[rank].read(begin, end)) == expected:
                     continue
                 raise WorldSizeChanged(self._unassignable(
