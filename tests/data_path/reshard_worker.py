@@ -1,9 +1,10 @@
-"""One rank of an FSDP2 (or DDP, or 2-D FSDP x TP) job that saves on one world size and loads on another.
+"""One rank of an FSDP2 (or DDP, 2-D FSDP x TP, HSDP) job that saves on one world size and loads on another.
 
     reshard_worker.py save|load|load_into <out dir> <layout> [<step load() must return>]
 
-``layout`` is ``fsdp``, ``ddp`` or ``2d:<dp>x<tp>``. ``save`` trains two steps and saves steps 1 and 2; the
-load modes restore the newest step they can (``load`` onto the mesh, ``load_into`` into the model's and optimizer's own
+``layout`` is ``fsdp``, ``ddp``, ``2d:<dp>x<tp>`` (FSDP over tensor parallelism) or
+``hsdp:<replicas>x<shards>``. ``save`` trains two steps and saves steps 1 and 2; the load modes restore
+the newest step they can (``load`` onto the mesh, ``load_into`` into the model's and optimizer's own
 tensors) and train one more step. Each writes, from rank 0, the full parameters and optimizer states it
 saved or restored to ``<out>/<mode>.pt``, and every rank its ``last_restore`` to ``<out>/<mode>-<rank>.json``.
 """
@@ -36,6 +37,11 @@ def built(layout: str, world: int) -> tuple[nn.Module, object]:
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         fully_shard(model, mesh=mesh["dp"])
+        return model, mesh
+    if layout.startswith("hsdp:"):
+        replicas, shards = (int(size) for size in layout[5:].split("x"))
+        mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh)  # placements (Replicate(), Shard(0))
         return model, mesh
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     fully_shard(model, mesh=mesh)

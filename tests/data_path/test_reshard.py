@@ -90,6 +90,17 @@ def test_fsdp_over_tensor_parallelism_2x2_loads_on_1x2_and_2x1(short_tmp):
 
 
 @pytest.mark.timeout(600)
+def test_hsdp_2x2_loads_on_1x3_reading_one_replica(short_tmp):
+    storage = short_tmp / "s"
+    job(storage, 4, "save", short_tmp / "saved", "hsdp:2x2")
+    files = stored_bytes(storage)
+    restores = job(storage, 3, "load", short_tmp / "on3", "hsdp:1x3")
+    assert_identical(torch.load(short_tmp / "saved" / "save.pt"), torch.load(short_tmp / "on3" / "load.pt"))
+    # The two replicas hold the same shards: together the new ranks read about one replica's worth, not two.
+    assert sum(restore["bytes_read"] for restore in restores) < sum(files) * 0.75, (restores, files)
+
+
+@pytest.mark.timeout(600)
 def test_a_corrupt_or_missing_saved_file_makes_every_new_rank_fall_back_to_the_older_step(short_tmp):
     storage = short_tmp / "s"
     job(storage, 4, "save", short_tmp / "saved")
