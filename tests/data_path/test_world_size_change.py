@@ -74,4 +74,5 @@ def test_ranks_in_a_process_group_all_refuse_a_newer_step_of_another_size_and_na
     fresh.send(op="load")
     refused = fresh.read()
     assert "step 2 of job grown was saved by 4 ranks and this job has 1" in refused["error"], refused
+    assert refused["error"].endswith("or pass step=1 to load() to resume from the newest step saved by 1 ranks")
     assert fresh.call(op="load", step=1) == {"step": 1, "intact": True, "numel": 1024}

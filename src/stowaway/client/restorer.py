@@ -127,8 +127,14 @@ class Restorer:
             refusals, failures = agreement.restore_outcomes(refused, error, self._rank, self._world_size)
             # An older step would be refused for the same reason: every rank raises it instead.
             for rank, (resharding, reason) in refusals:
-                raise (WorldSizeChanged if resharding else UnsupportedState)(
-                    reason if reason.startswith(f"rank {rank}:") else f"rank {rank}: {reason}")
+                shown = reason if reason.startswith(f"rank {rank}:") else f"rank {rank}: {reason}"
+                if not resharding:
+                    raise UnsupportedState(shown)
+                older = [found for found in same_world if found < candidate]
+                if step is None and older:
+                    shown += (f"; or pass step={older[0]} to load() to resume from the newest step saved by "
+                              f"{self._world_size} ranks")
+                raise WorldSizeChanged(shown)
             if not failures:
                 self.last = Restore(candidate, source, time.monotonic() - started,
                                     other_world.get(candidate, self._world_size), bytes_read)
