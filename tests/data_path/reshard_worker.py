@@ -12,6 +12,8 @@ saved or restored to ``<out>/<mode>.pt``, and every rank its ``last_restore`` to
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -67,6 +69,26 @@ def gathered(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
                           for index, entries in state.items()}}
 
 
+def train(ckpt: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: object, out: Path,
+          steps: int, killed_after: int) -> None:
+    """Train to ``steps``, saving each step, from where the newest committed step left off; the last rank
+    kills itself once step ``killed_after`` is committed, taking the job down as a lost node would."""
+    restored = ckpt.load(device_mesh=mesh)
+    start = 0
+    if restored is not None:
+        step, state = restored
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = step + 1
+    rank = dist.get_rank()
+    (out / f"train-{rank}.json").write_text(json.dumps({"start": start, "world": dist.get_world_size()}))
+    for step in range(start, steps):
+        trained_step(model, optimizer, step)
+        ckpt.save(step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 5}).wait()
+        if step == killed_after and rank == dist.get_world_size() - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     mode, out, layout = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     expected = int(sys.argv[4]) if len(sys.argv) > 4 else 2
@@ -75,6 +97,10 @@ def main() -> None:
     model, mesh = built(layout, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     with Checkpointer() as ckpt:
+        if mode == "train":
+            train(ckpt, model, optimizer, mesh, out, int(sys.argv[4]), int(sys.argv[5]))
+            dist.destroy_process_group()
+            return
         if mode == "save":
             for step in (1, 2):
                 trained_step(model, optimizer, step)

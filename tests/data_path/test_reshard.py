@@ -128,3 +128,25 @@ def test_a_step_of_the_older_manifest_format_reshards_reading_each_file_whole(sh
     assert_identical(torch.load(short_tmp / "saved" / "save.pt"), torch.load(short_tmp / "older" / "load.pt"))
     assert [restore["bytes_read"] for restore in restores] == [sum(stored_bytes(storage))] * 2, \
         "without piece checksums every file is read and checked whole"
+
+
+@pytest.mark.timeout(600)
+def test_a_job_that_loses_a_rank_resumes_on_fewer_ranks_from_its_newest_committed_step(short_tmp):
+    storage, out = short_tmp / "s", short_tmp / "train"
+    out.mkdir()
+    command = local_job(storage, "elastic", 4, WORKER, "train", str(out), "fsdp", "6", "2")
+    # The sidecar gives up at once on the step the lost rank never saved, instead of waiting out its grace.
+    command[command.index("--") : command.index("--")] = ["--grace-period", "1"]
+    lost = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          timeout=300)
+    assert lost.returncode != 0, "the job went on without its last rank"
+    command[command.index("--nproc-per-node") + 1] = "3"
+    command[command.index("2", command.index("fsdp"))] = "-1"
+    resumed = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    assert [json.loads((out / f"train-{rank}.json").read_text()) for rank in range(3)] == \
+        [{"start": 3, "world": 3}] * 3, "every rank of the smaller job resumed after step 2, the last committed"
+    committed = sorted(layout.step_of(path) for path in (storage / "elastic").glob("step-*")
+                       if (path / layout.MANIFEST).exists())
+    assert committed[-1] == 5, committed
