@@ -85,3 +85,21 @@ def test_a_rank_gets_read_only_descriptors_of_the_files_it_names_and_the_sidecar
         assert open_fds(sidecar.process.pid) == before, "the sidecar closed every descriptor it passed"
     finally:
         raw.close()
+
+
+def test_descriptors_keep_their_frame_when_the_socket_is_full_of_earlier_answers(start_sidecar, start_rank):
+    sidecar = start_sidecar()
+    two = [start_rank(sidecar, job="opened", rank=rank, world_size=2) for rank in range(2)]
+    saved_and_committed(two, 1)
+    raw = RawRank(sidecar.socket)
+    try:
+        raw.sock.sendall(frames.encode(HELLO))
+        assert raw.next()["type"] == "welcome"
+        # Unread, thousands of answers fill the socket and the sidecar's stream buffer ahead of the opened.
+        query = frames.encode({"type": "query"})
+        raw.sock.sendall(query * 4000 + frames.encode({"type": "open", "step": 1, "ranks": [0, 1]}) + query * 5)
+        kinds = [raw.next()["type"] for _ in range(4000 + 1 + 5)]
+        assert kinds == ["inventory"] * 4000 + ["opened"] + ["inventory"] * 5
+        assert len(raw.fds) == 3 and os.pread(raw.fds[2], 8, 0) == os.pread(raw.fds[1], 8, 0)
+    finally:
+        raw.close()

@@ -62,21 +62,17 @@ class Session:
         first, then the frame goes to the socket with the descriptors on its
         first byte, through a duplicate of the socket (the transport owns the
         original); whatever part the socket did not take follows through the
-        stream as usual.
+        stream at once, before anything else can be written. A socket that
+        takes nothing yet is waited for, and the stream drained again, as
+        other frames may have been queued meanwhile.
         """
         data = frames.encode(messages.encode(message))
-        transport = self._writer.transport
-        low, high = transport.get_write_buffer_limits()
-        transport.set_write_buffer_limits(high=0)
-        try:
-            await asyncio.wait_for(self._writer.drain(), SEND_FILES_TIMEOUT)
-        finally:
-            transport.set_write_buffer_limits(high=high, low=low)
-        if self._writer.is_closing():
-            return
         loop = asyncio.get_running_loop()
         with socket.socket(fileno=os.dup(self._writer.get_extra_info("socket").fileno())) as raw:
             while True:
+                await self._drained()
+                if self._writer.is_closing():
+                    return
                 try:
                     sent = socket.send_fds(raw, [data], fds)
                     break
@@ -89,6 +85,16 @@ class Session:
                         loop.remove_writer(raw.fileno())
         if sent < len(data):
             self._writer.write(data[sent:])
+
+    async def _drained(self) -> None:
+        """Return once the stream has handed every byte written to it to the socket."""
+        transport = self._writer.transport
+        low, high = transport.get_write_buffer_limits()
+        transport.set_write_buffer_limits(high=0)
+        try:
+            await asyncio.wait_for(self._writer.drain(), SEND_FILES_TIMEOUT)
+        finally:
+            transport.set_write_buffer_limits(high=high, low=low)
 
     def close(self, reason: str) -> None:
         log.warning("closing connection of %s: %s", self.label, reason)
