@@ -110,6 +110,7 @@ class Resharder:
         tensors: dict[str, torch.Tensor] = {}
         builder = _Builder(tree.get(nodes.TREE_MESHES, []), meshes)
         filled_plain = {name: target for name, target in destinations.targets} if destinations else {}
+        planned: dict[str, list[reshard.Region]] = {}
         for node in _unique_dtensors(tree):
             name = node[nodes.DTENSOR][nodes.TENSOR]
             given = destinations.resharded.get(name) if destinations else None
@@ -123,7 +124,13 @@ class Resharder:
                                         dtype=_TORCH_DTYPES[specs[name].dtype])
                     builder.targets[name] = mesh
                 local_shapes = {rank: list(found[name].spec.shape) for rank, found in layouts.items() if name in found}
-                regions = reshard.regions(node, builder.saved, local_shapes, target, self._rank)
+                # An optimizer's states repeat their parameter's layout: each layout is planned once.
+                key = json.dumps([node[nodes.DTENSOR_PLACEMENTS], node[nodes.DTENSOR_SHAPE],
+                                  node[nodes.DTENSOR_MESH], target.mesh_shape, target.coordinate, target.placements,
+                                  sorted(local_shapes.items())])
+                if key not in planned:
+                    planned[key] = reshard.regions(node, builder.saved, local_shapes, target, self._rank)
+                regions = planned[key]
             except reshard.Unmappable as exc:
                 raise WorldSizeChanged(self._unmappable(step, saved, str(exc))) from exc
             reader.fill(name, local, regions)

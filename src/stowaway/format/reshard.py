@@ -90,9 +90,10 @@ def regions(node: nodes.Node, saved_meshes: list[dict[str, Any]], local_shapes: 
     if any(not len(ix) for ix in wanted) or not global_shape:
         return _scalar_region(name, global_shape, saved_meshes[node[nodes.DTENSOR_MESH]], local_shapes, wanted)
     saved_ranks = np.array(saved_meshes[node[nodes.DTENSOR_MESH]][nodes.MESH_RANKS])
+    coordinates = {int(rank): list(coordinate) for coordinate, rank in np.ndenumerate(saved_ranks)}
     found: list[Region] = []
     for rank in _readers(saved_ranks, placements, new_rank):
-        coordinate = np.argwhere(saved_ranks == rank)[0].tolist()
+        coordinate = coordinates[rank]
         held = full_tensors.shard_indices(global_shape, saved_ranks.shape, coordinate, placements)
         shape = local_shapes.get(rank)
         if shape is None or list(shape) != [len(ix) for ix in held]:
@@ -116,6 +117,16 @@ def _readers(saved_ranks: np.ndarray, placements: list[dict[str, Any]], new_rank
 def _overlap(rank: int, held: list[np.ndarray], wanted: list[np.ndarray]) -> Region | None:
     source, target = [], []
     for have, want in zip(held, wanted, strict=True):
+        if not len(have) or not len(want):
+            return None
+        if _contiguous(have) and _contiguous(want):
+            # The common case (Shard, Replicate): two runs, whose overlap is arithmetic, not a set operation.
+            first, last = max(have[0], want[0]), min(have[-1], want[-1]) + 1
+            if first >= last:
+                return None
+            source.append(np.arange(first - have[0], last - have[0]))
+            target.append(np.arange(first - want[0], last - want[0]))
+            continue
         common, in_have, in_want = np.intersect1d(have, want, assume_unique=True, return_indices=True)
         if not len(common):
             return None
@@ -132,6 +143,10 @@ def _overlap(rank: int, held: list[np.ndarray], wanted: list[np.ndarray]) -> Reg
     whole = (target_first, target_first + last - first) if rows_contiguous and rest_whole and target_contiguous \
         else None
     return Region(rank, (first, last), tuple(source), tuple(target), whole)
+
+
+def _contiguous(indices: np.ndarray) -> bool:
+    return bool(indices[-1] - indices[0] + 1 == len(indices))
 
 
 def _scalar_region(name: str, global_shape: list[int], mesh: dict[str, Any], local_shapes: dict[int, list[int]],
