@@ -112,7 +112,8 @@ def main() -> None:
             optimizer.load_state_dict(state["optimizer"])
         else:
             trained_step(model, optimizer, 99)  # the optimizer's state exists from its first step on
-            into = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            # The parameters themselves (they require grad), not the detached tensors of state_dict().
+            into = {"model": dict(model.named_parameters()), "optimizer": optimizer.state_dict()}
             step, state = ckpt.load(into=into)
             assert step == expected and state["model"]["0.weight"] is into["model"]["0.weight"], step
             optimizer.load_state_dict(state["optimizer"])

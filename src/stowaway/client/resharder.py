@@ -33,11 +33,12 @@ import torch
 
 from stowaway.client.link import Link
 from stowaway.client.stored_files import ReadCounter, StoredFile, read_manifest
-from stowaway.errors import SaveFailed, UnsupportedState, WorldSizeChanged
+from stowaway.errors import CheckpointCorrupt, SaveFailed, UnsupportedState, WorldSizeChanged
 from stowaway.format import dtensors, dtypes, full_tensors, in_place, nodes, reshard, shards
 from stowaway.format import safetensors_header as st
 from stowaway.format import tree as tree_mod
 from stowaway.protocol import messages
+from stowaway.storage import manifest
 
 CHECKED_PLAIN_BYTES = 64 * 2**10
 _TORCH_DTYPES = {name: dtype for dtype, name in tree_mod.SAFETENSORS_NAMES.items()}
@@ -66,6 +67,8 @@ class Resharder:
             raise SaveFailed(opened.reason)
         try:
             found = read_manifest(fds[0], where / "manifest.json")
+        except manifest.ManifestError as exc:
+            raise CheckpointCorrupt(str(exc)) from exc
         finally:
             for fd in fds:
                 os.close(fd)
@@ -195,8 +198,8 @@ def _header(stored: StoredFile) -> tuple[dict[str, Any], st.Layout]:
     try:
         layout, metadata = st.parse(raw, stored.entry.bytes)
         tree = json.loads(metadata[nodes.METADATA_KEY])
-    except (st.HeaderError, KeyError, json.JSONDecodeError) as exc:
-        raise UnsupportedState(f"{stored.where} holds no Stowaway state tree: {exc}") from exc
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise st.HeaderError(f"{stored.where} holds no Stowaway state tree: {exc}") from exc
     return tree, layout
 
 
@@ -244,7 +247,8 @@ class _Reader:
             stored = self._files[region.rank]
             if region.whole_rows is not None and local.device.type == "cpu" and local.is_contiguous():
                 rows = local.reshape(1) if not shape else local[region.whole_rows[0] : region.whole_rows[1]]
-                stored.read(begin, end, memoryview(rows.reshape(-1).view(torch.uint8).numpy().data))
+                # Detached: the bytes of a Parameter that requires grad are written as any tensor's.
+                stored.read(begin, end, memoryview(rows.detach().reshape(-1).view(torch.uint8).numpy().data))
                 continue
             raw = torch.frombuffer(stored.read(begin, end), dtype=torch.uint8)
             block = raw.view(_TORCH_DTYPES[item.spec.dtype]).reshape(region.rows[1] - region.rows[0], *shape[1:])
