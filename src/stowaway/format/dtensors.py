@@ -6,8 +6,10 @@ tensor, with what ``DTensor.from_local`` needs to rebuild it without talking
 to any other rank: the placements, the global shape and stride, and the mesh
 as the layout of its ranks (once per mesh, in the tree). A mesh carries
 process groups, which no checkpoint can hold, so ``load`` takes the caller's
-mesh and checks that its layout is the saved one. Loading onto another layout
-(resharding) is refused: each rank's file holds only its own shard.
+mesh and checks that its layout is the saved one. On the number of ranks that
+saved it, loading onto another layout is refused: each rank reads only its
+own file. On another number of ranks, DTensors are resharded from ranges of
+every saved rank's file (``client.resharder``, planned by ``format.reshard``).
 
 ``torch.distributed.tensor`` is looked up in ``sys.modules``, never imported
 on a save: a process that has not imported it holds no DTensor, and a rank
@@ -189,8 +191,9 @@ class Rebuilder:
         passed = ", ".join(str(mesh.mesh.tolist()) for mesh in self._given)
         return (
             f"the DTensor stored as {name!r} was saved on {where}, and no mesh passed to load() has that layout "
-            f"(passed: {passed}). Each rank's file holds only its own shard, so a checkpoint loads only onto the "
-            "layout it was saved on; save full tensors (full_tensor()) to load onto another one"
+            f"(passed: {passed}). On the number of ranks that saved it, each rank reads only its own file, so a "
+            "checkpoint loads only onto the layout it was saved on; save full tensors (full_tensor()) to load onto "
+            "another one"
         )
 
 
