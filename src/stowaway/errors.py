@@ -17,7 +17,8 @@ class ConfigurationError(StowawayError):
 
 
 class WorldSizeChanged(ConfigurationError):
-    """The step to restore was saved by another number of ranks than the job has now."""
+    """The step to restore was saved by another number of ranks than the job has now, and cannot be resharded
+    onto this number: the message names the tensor or value, and why."""
 
 
 class ShmCapacityError(StowawayError):

@@ -69,7 +69,7 @@ def test_inspect_shows_each_dtensor_shard_with_its_global_shape_placements_and_m
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("  ")}
     assert rows["w"].split()[:3] == ["w", "F32", "3x4"]
-    assert rows["w"].endswith("shard of 3x8 (Replicate(), Shard(1)) on a cpu mesh (dp=1, tp=1)")
+    assert rows["w"].endswith("shard of 3x8 (Replicate(), Shard(1)) on a cpu mesh (dp=1, tp=1), holds [0:3, 0:8]")
     assert rows["plain"].split()[-2:] == ["8", "B"], "a plain tensor has no shard column"
 
 

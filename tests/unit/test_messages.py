@@ -106,6 +106,7 @@ WIRE = [
                   "blocking_seconds": 0.001, "slot_wait_seconds": 0, "staging_seconds": 0.5, "stall_seconds": 0.1}),
     (TO_SIDECAR, {"type": "query"}),
     (TO_SIDECAR, {"type": "stage", "step": 7, "slot": 0}),
+    (TO_SIDECAR, {"type": "open", "step": 7, "ranks": [0, 3]}),
     (TO_SIDECAR, {"type": "restored", "step": 7, "source": "memory", "seconds": 0.031}),
     (TO_SIDECAR, {"type": "restored", "step": 7, "source": "storage", "seconds": 2}),
     (TO_CLIENT, {"type": "welcome", "protocol": 1, "node": "node-a", "busy": [0, 2], "shm_dir": "/dev/shm"}),
@@ -118,6 +119,8 @@ WIRE = [
     (TO_CLIENT, {"type": "inventory", "committed": [{"step": 7, "nbytes": 100}], "memory": [{"step": 7, "slot": 1}],
                  "other_world": [{"step": 9, "world_size": 8}]}),
     (TO_CLIENT, {"type": "staged", "step": 7, "slot": 0, "generation": 4, "nbytes": 100}),
+    (TO_CLIENT, {"type": "opened", "step": 7, "ranks": [0, 3], "reason": None}),
+    (TO_CLIENT, {"type": "opened", "step": 7, "ranks": [], "reason": "step 7 cannot be opened"}),
     (TO_CLIENT, {"type": "error", "reason": "hello sent twice on one connection"}),
 ]
 
@@ -181,3 +184,10 @@ def test_optional_staging_fields_are_checked_like_the_others():
         messages.decode({**wire, "staging_seconds": "slow"}, TO_SIDECAR)
     with pytest.raises(messages.MessageError, match=r"persist.stall_seconds must be int or float or NoneType, got a b"):
         messages.decode({**wire, "stall_seconds": True}, TO_SIDECAR)
+
+
+def test_an_open_naming_more_files_than_one_message_can_pass_is_refused():
+    with pytest.raises(messages.MessageError, match=r"open names 253 ranks; at most 252"):
+        messages.decode({"type": "open", "step": 1, "ranks": list(range(253))}, TO_SIDECAR)
+    with pytest.raises(messages.MessageError, match=r"open names 1 ranks"):
+        messages.decode({"type": "open", "step": 1, "ranks": [-1]}, TO_SIDECAR)

@@ -115,7 +115,7 @@ def run_inspect(args: argparse.Namespace) -> int:
             if length > st.MAX_HEADER_BYTES:
                 raise CommandError(f"{path} has a corrupt header length {length}; run `stowaway verify`")
             parsed, metadata = st.parse(head + handle.read(length), entry.bytes)
-        sharded = shards.describe(metadata)
+        sharded = shards.describe(metadata, entry.rank)
         print(f"rank {entry.rank}: {entry.name} ({_size(entry.bytes)})")
         for item in parsed.tensors:
             shape = "x".join(str(dim) for dim in item.spec.shape) or "scalar"

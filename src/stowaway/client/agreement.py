@@ -83,9 +83,10 @@ def candidates(run_id: str, steps: list[int], other_world: dict[int, int],
 
 
 def restore_outcomes(
-    refused: str | None, error: str | None, rank: int, world_size: int
-) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
-    """Every rank's refusal and error for one candidate step; both empty when every rank restored it."""
+    refused: tuple[bool, str] | None, error: str | None, rank: int, world_size: int
+) -> tuple[list[tuple[int, tuple[bool, str]]], list[tuple[int, str]]]:
+    """Every rank's refusal (whether it is a step that cannot be resharded, and why) and error for one candidate
+    step; both empty when every rank restored it."""
     failed = int(refused is not None or error is not None)
     if not active(world_size):
         gathered = [(rank, refused, error)]

@@ -299,8 +299,12 @@ class Checkpointer:
         some rank wrote it into ``into``, the next older one is written over
         it; if none can be, ``load`` raises instead of returning None.
 
-        Raises ``WorldSizeChanged`` when the newest committed step (or
-        ``step``) was saved by another number of ranks.
+        A step saved by another number of ranks is resharded: each rank
+        reads only the byte ranges of the stored files its new shards need.
+        Pass the new mesh as ``device_mesh``, or the state to fill as
+        ``into``. Raises ``WorldSizeChanged`` when such a step cannot be
+        resharded, naming what: state that differs per saved rank, or a
+        ``Partial`` placement.
 
         Where the step came from, memory or storage, is ``last_restore``.
         """

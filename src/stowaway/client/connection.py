@@ -7,6 +7,9 @@ the loss and reconnects with backoff, so a restarted sidecar is picked up
 without the training loop noticing more than the failed saves in between.
 A sidecar that refuses the hello (another uid, another protocol version)
 would refuse it again: that is reported at once, not retried silently.
+Descriptors the sidecar passes (``SCM_RIGHTS``) arrive with the first byte
+of the ``opened`` frame they belong to; they are queued as received and
+handed over with that frame (``on_opened``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import logging
 import os
 import socket
 import threading
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +28,7 @@ from stowaway.protocol import frames, messages
 log = logging.getLogger("stowaway")
 
 # The messages this module acts on itself; every other message goes to ``on_message``.
-HANDLED_HERE: frozenset[type[messages.ToClient]] = frozenset({messages.Welcome, messages.Error})
+HANDLED_HERE: frozenset[type[messages.ToClient]] = frozenset({messages.Welcome, messages.Error, messages.Opened})
 RECV_BYTES = 64 * 1024
 _FIRST_BACKOFF = 0.02
 _MAX_BACKOFF = 1.0
@@ -39,6 +43,7 @@ class Connection:
         on_message: Callable[[messages.ToClient], None],
         on_lost: Callable[[str], None],
         on_refused: Callable[[str], None],
+        on_opened: Callable[[messages.Opened, list[int]], None],
     ) -> None:
         self._path = path
         self._hello = hello
@@ -46,6 +51,7 @@ class Connection:
         self._on_message = on_message
         self._on_lost = on_lost
         self._on_refused = on_refused
+        self._on_opened = on_opened
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
@@ -117,6 +123,7 @@ class Connection:
         decoder = frames.FrameDecoder()
         welcomed = False
         unsent: str | None = None
+        passed: deque[int] = deque()
         try:
             sock.sendall(frames.encode(messages.encode(self._hello)))
         except OSError as exc:
@@ -124,7 +131,7 @@ class Connection:
             # waiting in the socket, and says more than the broken pipe.
             unsent = f"connection to the sidecar failed: {exc}"
         try:
-            while data := sock.recv(RECV_BYTES):
+            while data := self._received(sock, passed):
                 for frame in decoder.feed(data):
                     message = messages.decode(frame, messages.Direction.TO_CLIENT)
                     if isinstance(message, messages.Error):
@@ -139,10 +146,27 @@ class Connection:
                             self._sock = sock
                         welcomed = True
                         self._on_connected(message)
+                    elif isinstance(message, messages.Opened):
+                        if len(passed) < message.descriptors:
+                            return (f"the sidecar sent opened for step {message.step} with {len(passed)} "
+                                    f"descriptors, where it names {message.descriptors}"), welcomed
+                        self._on_opened(message, [passed.popleft() for _ in range(message.descriptors)])
                     else:
                         self._on_message(message)
         except (frames.FrameError, messages.MessageError) as exc:
             return f"the sidecar sent an invalid frame: {exc}", welcomed
         except OSError as exc:
             return f"connection to the sidecar failed: {exc}", welcomed
+        finally:
+            for fd in passed:
+                os.close(fd)
         return unsent or "the sidecar closed the connection", welcomed
+
+    @staticmethod
+    def _received(sock: socket.socket, passed: deque[int]) -> bytes:
+        """The next bytes of the stream; the descriptors that came with them join ``passed``."""
+        data, fds, flags, _ = socket.recv_fds(sock, RECV_BYTES, messages.MAX_FILES_PER_OPEN + 1)
+        passed.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise OSError(errno.EPROTO, "descriptors passed by the sidecar were cut off (more than one opened holds)")
+        return data

@@ -11,6 +11,7 @@ once with that reason.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +52,10 @@ class Link:
         self._refusal: str | None = None
         self._violation: str | None = None
         self._answers: dict[AnswerKey, messages.ToClient] = {}
-        self._connection = Connection(socket_path, hello, self._welcomed, self._message, self._lost, self._refused)
+        # The descriptors of the last ``opened`` not yet taken by ``open_files``.
+        self._opened_fds: list[int] = []
+        self._connection = Connection(socket_path, hello, self._welcomed, self._message, self._lost, self._refused,
+                                      self._opened)
 
     @property
     def last_error(self) -> str:
@@ -86,6 +90,20 @@ class Link:
                 raise SidecarUnavailable(f"rank {self._rank}: the sidecar went away before answering "
                                          f"{message.TYPE}: {self._connection.last_error}")
             return self._answers.pop(answer)
+
+    def open_files(self, step: int, ranks: tuple[int, ...]) -> tuple[messages.Opened, list[int]]:
+        """Ask the sidecar to open committed ``step``'s manifest and the files of ``ranks``; the answer and its
+        descriptors (the caller closes them), none when ``reason`` says why they could not be opened."""
+        answer = self.request(("open", 0), messages.Open(step=step, ranks=ranks))
+        assert isinstance(answer, messages.Opened)
+        with self._lock:
+            fds, self._opened_fds = self._opened_fds, []
+        if answer.step != step or answer.ranks != ranks or len(fds) != answer.descriptors:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"rank {self._rank}: the sidecar answered open of step {step} ranks {list(ranks)} "
+                                f"with opened of step {answer.step} ranks {list(answer.ranks)}")
+        return answer, fds
 
     def deliver(self, answer: AnswerKey, message: messages.ToClient) -> None:
         """File the answer to a request (reader thread, lock held); a stale one goes when the request is next made."""
@@ -144,6 +162,15 @@ class Link:
                 self._require_listener().handle(message)
             except (ProtocolError, messages.MessageError) as exc:
                 self._violated(exc)
+            self._lock.notify_all()
+
+    def _opened(self, message: messages.Opened, fds: list[int]) -> None:
+        with self._lock:
+            # One open is asked at a time; the descriptors of an answer nobody took any more are closed.
+            for stale in self._opened_fds:
+                os.close(stale)
+            self._opened_fds = fds
+            self.deliver(("open", 0), message)
             self._lock.notify_all()
 
     def _violated(self, exc: Exception) -> None:

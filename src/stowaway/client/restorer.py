@@ -2,10 +2,12 @@
 
 In order: ask the sidecar which committed steps exist and which a slot of
 this rank still holds intact (``inventory``); agree with the other ranks on
-the candidates (``agreement``), refusing a step saved by another number of
-ranks; then try the candidates newest first, each from memory if a slot
-holds it, else staged from storage into a slot by the sidecar, and fall back
-to the next older one, on every rank alike, when any rank fails to restore it.
+the candidates (``agreement``); then try the candidates newest first, each
+from memory if a slot holds it, else staged from storage into a slot by the
+sidecar, or, for a step saved by another number of ranks, resharded from
+ranges of the stored files (``resharder``); and fall back to the next older
+one, on every rank alike, when any rank fails to restore it. A step that
+cannot be resharded at all is refused on every rank (``WorldSizeChanged``).
 Once a step is restored, keep where it came from and how long ``load()``
 took (``Restore``, the checkpointer's ``last_restore``), log it, and tell
 the sidecar: a restore from memory involves no request the sidecar would
@@ -19,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from stowaway.client import agreement, env
+from stowaway.client import agreement, env, resharder
 from stowaway.client.link import Link
 from stowaway.client.pool import ClientSlot
 from stowaway.client.rank_slots import RankSlots
@@ -53,6 +55,10 @@ class Restore:
     step: int
     source: messages.RestoreSource
     seconds: float
+    # Saved by this many ranks; another number than the job's means it was resharded.
+    saved_by: int = 0
+    # Bytes this rank read from storage itself (a resharded restore); 0 where the sidecar staged the step.
+    bytes_read: int = 0
 
 
 class Restorer:
@@ -64,6 +70,7 @@ class Restorer:
         self._run = run
         self._link = link
         self._slots = slots
+        self._resharder = resharder.Resharder(job, rank, world_size, allow_pickle, link)
         # The restore the last load() made; None before the first, and after one that restored nothing or raised.
         self.last: Restore | None = None
 
@@ -90,32 +97,47 @@ class Restorer:
         in_memory = {item.step: item.slot for item in inventory.memory}
         wanted = [found for found in sizes if step is None or found == step]
         other_world = {item.step: item.world_size for item in inventory.other_world}
-        agreed_run, candidates, other_world = agreement.candidates(self._run.current(), wanted, other_world,
+        agreed_run, same_world, other_world = agreement.candidates(self._run.current(), wanted, other_world,
                                                                    self._world_size)
         self._run.agree(agreed_run)
-        self._refuse_other_world(step, candidates, other_world)
+        candidates = sorted({*same_world, *(found for found in other_world if step is None or found == step)},
+                            reverse=True)
         problems = []
         for candidate in candidates:
             error, refused, state = None, None, None
             source: messages.RestoreSource = "memory"
+            bytes_read = 0
             try:
                 slot = self._slots.pool.slots[in_memory[candidate]] if candidate in in_memory else None
-                if slot is not None and _header_holding(slot, candidate) is not None:
+                if candidate in other_world:
+                    source = "storage"
+                    state, bytes_read = self._resharder.load(candidate, map_location, meshes, into)
+                elif slot is not None and _header_holding(slot, candidate) is not None:
                     state = self._read_slot(slot, candidate, map_location, meshes, into)
                 else:
                     # Also when the slot held it at the inventory but a newer candidate was staged into it since.
                     source = "storage"
                     state = self._from_storage(candidate, sizes[candidate], map_location, meshes, into)
+            except WorldSizeChanged as exc:
+                refused = (True, str(exc))
             except UnsupportedState as exc:
-                refused = str(exc)
+                refused = (False, str(exc))
             except (StowawayError, HeaderError) as exc:
                 error = str(exc)
             refusals, failures = agreement.restore_outcomes(refused, error, self._rank, self._world_size)
             # An older step would be refused for the same reason: every rank raises it instead.
-            for rank, reason in refusals:
-                raise UnsupportedState(f"rank {rank}: {reason}")
+            for rank, (resharding, reason) in refusals:
+                shown = reason if reason.startswith(f"rank {rank}:") else f"rank {rank}: {reason}"
+                if not resharding:
+                    raise UnsupportedState(shown)
+                older = [found for found in same_world if found < candidate]
+                if step is None and older:
+                    shown += (f"; or pass step={older[0]} to load() to resume from the newest step saved by "
+                              f"{self._world_size} ranks")
+                raise WorldSizeChanged(shown)
             if not failures:
-                self.last = Restore(candidate, source, time.monotonic() - started)
+                self.last = Restore(candidate, source, time.monotonic() - started,
+                                    other_world.get(candidate, self._world_size), bytes_read)
                 self._report(self.last)
                 return candidate, state
             for rank, reason in failures:
@@ -141,29 +163,6 @@ class Restorer:
             # The step is restored all the same; only the sidecar's count of restores misses it.
             log.warning("rank %d could not report its restore of step %d to the sidecar, so the sidecar's log "
                         "and stowaway_restores_total miss it: %s", self._rank, restore.step, self._link.last_error)
-
-    def _refuse_other_world(self, step: int | None, candidates: list[int], other_world: dict[int, int]) -> None:
-        """Refuse ``step``, or a newest committed step, saved by another number of ranks.
-
-        Each rank's file holds that rank's own state, so such a step cannot be
-        restored here; skipping it would return an older step, or None, and
-        the job would silently train again from there.
-        """
-        newest_here = candidates[0] if candidates else -1
-        refused = [found for found in other_world if found == step or (step is None and found > newest_here)]
-        if not refused:
-            return
-        found = max(refused)
-        saved_by = other_world[found]
-        older = (f"pass step={newest_here} to load() to resume from the newest step saved by {self._world_size} "
-                 "ranks; " if step is None and candidates else "")
-        raise WorldSizeChanged(
-            f"rank {self._rank}: step {found} of job {self._job} was saved by {saved_by} ranks and this job has "
-            f"{self._world_size}; a step is restored only on as many ranks as saved it, as each rank's file holds "
-            f"its own share of the state. Run the job on {saved_by} ranks; or read the step with "
-            "stowaway.read_checkpoint() where the storage is mounted (it gathers DTensors whole) and load it into "
-            f"the model yourself; {older}or give the job another name (STOWAWAY_JOB) to start afresh"
-        )
 
     def _from_storage(self, step: int, nbytes: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> Any:
         """Have the sidecar stage the stored file into a slot, then restore from the slot."""

@@ -6,8 +6,10 @@ tensor, with what ``DTensor.from_local`` needs to rebuild it without talking
 to any other rank: the placements, the global shape and stride, and the mesh
 as the layout of its ranks (once per mesh, in the tree). A mesh carries
 process groups, which no checkpoint can hold, so ``load`` takes the caller's
-mesh and checks that its layout is the saved one. Loading onto another layout
-(resharding) is refused: each rank's file holds only its own shard.
+mesh and checks that its layout is the saved one. On the number of ranks that
+saved it, loading onto another layout is refused: each rank reads only its
+own file. On another number of ranks, DTensors are resharded from ranges of
+every saved rank's file (``client.resharder``, planned by ``format.reshard``).
 
 ``torch.distributed.tensor`` is looked up in ``sys.modules``, never imported
 on a save: a process that has not imported it holds no DTensor, and a rank
@@ -113,7 +115,7 @@ def encode(facts: tuple[Any, ...], local_node: nodes.Node, shown_path: str, mesh
         )
     node: nodes.Node = {
         nodes.DTENSOR: local_node,
-        nodes.DTENSOR_PLACEMENTS: [_encode_placement(placement, shown_path) for placement in placements],
+        nodes.DTENSOR_PLACEMENTS: [encode_placement(placement, shown_path) for placement in placements],
         nodes.DTENSOR_SHAPE: list(shape),
         nodes.DTENSOR_STRIDE: list(stride),
         nodes.DTENSOR_MESH: meshes.index(mesh),
@@ -130,7 +132,7 @@ def layout_mismatch(node: nodes.Node, value: Any, saved_meshes: list[dict[str, A
     alike: the same placements and global shape, over the same ranks.
     """
     try:
-        placements = [_encode_placement(placement, "") for placement in value.placements]
+        placements = [encode_placement(placement, "") for placement in value.placements]
     except UnsupportedState:
         placements = None
     ranks = value.device_mesh.mesh.tolist()
@@ -138,7 +140,7 @@ def layout_mismatch(node: nodes.Node, value: Any, saved_meshes: list[dict[str, A
     saved_shape = node[nodes.DTENSOR_SHAPE]
     if placements == node[nodes.DTENSOR_PLACEMENTS] and list(value.shape) == saved_shape and ranks == saved_ranks:
         return None
-    saved_placements = tuple(_decode_placement(item) for item in node[nodes.DTENSOR_PLACEMENTS])
+    saved_placements = tuple(decode_placement(item) for item in node[nodes.DTENSOR_PLACEMENTS])
     return (f"a DTensor of shape {list(value.shape)} placed {tuple(value.placements)} over ranks {ranks}, where "
             f"the checkpoint holds one of shape {saved_shape} placed {saved_placements} over ranks {saved_ranks}")
 
@@ -156,7 +158,7 @@ class Rebuilder:
 
         dtensor = DTensor.from_local(
             local, self._mesh(node[nodes.DTENSOR_MESH], node[nodes.DTENSOR][nodes.TENSOR]),
-            [_decode_placement(item) for item in node[nodes.DTENSOR_PLACEMENTS]],
+            [decode_placement(item) for item in node[nodes.DTENSOR_PLACEMENTS]],
             run_check=False, shape=torch.Size(node[nodes.DTENSOR_SHAPE]),
             stride=tuple(node[nodes.DTENSOR_STRIDE]),
         )
@@ -189,8 +191,9 @@ class Rebuilder:
         passed = ", ".join(str(mesh.mesh.tolist()) for mesh in self._given)
         return (
             f"the DTensor stored as {name!r} was saved on {where}, and no mesh passed to load() has that layout "
-            f"(passed: {passed}). Each rank's file holds only its own shard, so a checkpoint loads only onto the "
-            "layout it was saved on; save full tensors (full_tensor()) to load onto another one"
+            f"(passed: {passed}). On the number of ranks that saved it, each rank reads only its own file, so a "
+            "checkpoint loads only onto the layout it was saved on; save full tensors (full_tensor()) to load onto "
+            "another one"
         )
 
 
@@ -210,7 +213,7 @@ def _names(mesh: Any) -> list[str] | None:
     return list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
 
 
-def _encode_placement(placement: Any, shown_path: str) -> dict[str, Any]:
+def encode_placement(placement: Any, shown_path: str) -> dict[str, Any]:
     kinds = _placement_kinds()
     kind = type(placement)
     if kind is kinds.Shard:
@@ -227,7 +230,7 @@ def _encode_placement(placement: Any, shown_path: str) -> dict[str, Any]:
     )
 
 
-def _decode_placement(encoded: dict[str, Any]) -> Any:
+def decode_placement(encoded: dict[str, Any]) -> Any:
     kinds = _placement_kinds()
     if nodes.PLACEMENT_SPLIT_FACTOR in encoded:
         return kinds._StridedShard(encoded[nodes.PLACEMENT_SHARD], split_factor=encoded[nodes.PLACEMENT_SPLIT_FACTOR])

@@ -49,11 +49,13 @@ class Destinations:
     targets: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     # By a stored DTensor's local name, the plain tensors its whole is gathered into (more than one for a tie).
     wholes: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # By a stored DTensor's local name, the caller's DTensors of another layout that a resharding load fills.
+    resharded: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def filled(self) -> set[str]:
         """The stored tensors that need no copy: their bytes go into the caller's tensors."""
-        return {name for name, _ in self.targets} | self.wholes.keys()
+        return {name for name, _ in self.targets} | self.wholes.keys() | self.resharded.keys()
 
     def fill(self, views: dict[str, torch.Tensor]) -> None:
         """Copy each stored tensor into its destinations, all of them before returning."""
@@ -65,15 +67,17 @@ class Destinations:
 
 
 def match(tree: dict[str, Any], views: dict[str, torch.Tensor], into: Any,
-          whole_dtensors: bool = False) -> Destinations:
+          whole_dtensors: bool = False, reshard: bool = False) -> Destinations:
     """Pair every tensor of ``into`` with the stored tensor at its path; ``views`` are the stored tensors by name.
 
     Raises ``UnsupportedState`` naming what does not fit (up to five paths)
     when a tensor of ``into`` has no stored counterpart, or one of another
     kind, dtype, shape or DTensor layout. With ``whole_dtensors``, a stored
-    DTensor pairs with a plain tensor of its global shape, in ``wholes``.
+    DTensor pairs with a plain tensor of its global shape, in ``wholes``;
+    with ``reshard``, with a DTensor of its global shape on any mesh and
+    placements, in ``resharded``.
     """
-    matcher = _Matcher(tree.get(nodes.TREE_MESHES, []), views, whole_dtensors)
+    matcher = _Matcher(tree.get(nodes.TREE_MESHES, []), views, whole_dtensors, reshard)
     with torch.no_grad():
         matcher.walk(tree[nodes.TREE_ROOT], into, ())
     problems = matcher.problems
@@ -91,10 +95,11 @@ def match(tree: dict[str, Any], views: dict[str, torch.Tensor], into: Any,
 
 class _Matcher:
     def __init__(self, saved_meshes: list[dict[str, Any]], views: dict[str, torch.Tensor],
-                 whole_dtensors: bool) -> None:
+                 whole_dtensors: bool, reshard: bool) -> None:
         self.saved_meshes = saved_meshes
         self.views = views
         self.whole_dtensors = whole_dtensors
+        self.reshard = reshard
         self.dtensor = dtensors.dtensor_type()
         self.destinations = Destinations()
         self.problems: list[str] = []
@@ -132,6 +137,9 @@ class _Matcher:
             return
         if nodes.TENSOR in node and not is_dtensor:
             name, local = node[nodes.TENSOR], value
+        elif nodes.DTENSOR in node and is_dtensor and self.reshard:
+            self._resharded(node, value, path)
+            return
         elif nodes.DTENSOR in node and is_dtensor:
             problem = dtensors.layout_mismatch(node, value, self.saved_meshes)
             if problem is not None:
@@ -168,6 +176,17 @@ class _Matcher:
         else:
             self.destinations.by_node[id(node)] = value
             self.destinations.wholes.setdefault(name, []).append(value)
+
+    def _resharded(self, node: nodes.Node, value: Any, path: tree_mod.Path) -> None:
+        name = node[nodes.DTENSOR][nodes.TENSOR]
+        stored_dtype, global_shape = self.views[name].dtype, list(node[nodes.DTENSOR_SHAPE])
+        if value.dtype is not stored_dtype or list(value.shape) != global_shape:
+            self.problems.append(f"{tree_mod.show_path(path, 'into')} is a DTensor of {value.dtype} whose global "
+                                 f"shape is {list(value.shape)}, where the checkpoint holds one of {stored_dtype} "
+                                 f"whose global shape is {global_shape}")
+            return
+        self.destinations.by_node[id(node)] = value
+        self.destinations.resharded.setdefault(name, []).append(value)
 
     def _unmatched(self, value: Any, path: tree_mod.Path, stored: str) -> None:
         """A part of ``into`` the checkpoint has no tensors for: a problem if it holds a tensor."""

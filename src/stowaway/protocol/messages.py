@@ -27,12 +27,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, overload
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # \Z, not $: "$" also matches before a trailing newline, which would let "job\n" name a directory.
 JOB_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 NODE_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,252}\Z")
 MAX_SLOTS_PER_RANK = 64
+# Descriptors one ``opened`` passes at most: the manifest and this many rank files. The kernel passes at
+# most 253 descriptors in one message (SCM_MAX_FD); a client asks for more files in several ``open``s.
+MAX_FILES_PER_OPEN = 252
 MAX_WORLD_SIZE = 1 << 20
 # Steps, generations and sizes are stored as 64-bit integers (slot header, file names); a value outside
 # this range can only come from a broken or hostile peer.
@@ -182,6 +185,26 @@ class Stage(ToSidecar):
 
 
 @dataclass(frozen=True)
+class Open(ToSidecar):
+    """Ask for read-only descriptors of a committed step's manifest and of the files of the saved ``ranks``.
+
+    The storage is mounted only into the sidecar; a rank that reshards a
+    step reads the byte ranges it needs of other ranks' files through
+    descriptors the sidecar opened for it, passed with ``SCM_RIGHTS``.
+    """
+
+    TYPE: ClassVar[str] = "open"
+    step: Int64
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.ranks) > MAX_FILES_PER_OPEN or any(not 0 <= rank < MAX_WORLD_SIZE for rank in self.ranks):
+            raise MessageError(f"open names {len(self.ranks)} ranks; at most {MAX_FILES_PER_OPEN}, each "
+                               f"between 0 and {MAX_WORLD_SIZE - 1}")
+
+
+@dataclass(frozen=True)
 class Restored(ToSidecar):
     """``load()`` restored ``step`` on this rank, taking ``seconds`` in all: a report, which gets no answer.
 
@@ -280,6 +303,21 @@ class Staged(ToClient):
 
 
 @dataclass(frozen=True)
+class Opened(ToClient):
+    """The answer to ``open``: with ``reason`` null, the frame carries ``1 + len(ranks)`` descriptors (the
+    manifest, then each rank's file in the order of ``ranks``); else none, and ``reason`` says why."""
+
+    TYPE: ClassVar[str] = "opened"
+    step: Int64
+    ranks: tuple[int, ...]
+    reason: str | None
+
+    @property
+    def descriptors(self) -> int:
+        return 0 if self.reason is not None else 1 + len(self.ranks)
+
+
+@dataclass(frozen=True)
 class Error(ToClient):
     """The sidecar ends the connection for a protocol error (or refuses the peer) and says why."""
 
@@ -298,10 +336,11 @@ class Direction(enum.Enum):
 
 
 _KINDS: dict[Direction, Mapping[str, type[Message]]] = {
-    Direction.TO_SIDECAR: {kind.TYPE: kind for kind in (Hello, Register, Persist, Query, Stage, Restored)},
+    Direction.TO_SIDECAR: {kind.TYPE: kind for kind in (Hello, Register, Persist, Query, Stage, Open, Restored)},
     Direction.TO_CLIENT: {
         kind.TYPE: kind
-        for kind in (Welcome, Registered, Released, Persisted, Committed, Failed, Inventory, Staged, Error)
+        for kind in (Welcome, Registered, Released, Persisted, Committed, Failed, Inventory, Staged, Opened,
+                     Error)
     },
 }
 

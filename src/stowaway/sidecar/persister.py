@@ -23,7 +23,7 @@ from pathlib import Path
 
 from stowaway.slots import header
 from stowaway.slots.shm import SlotFile
-from stowaway.storage import direct_io, durable
+from stowaway.storage import checksum, direct_io, durable
 from stowaway.storage.layout import TMP_SUFFIX
 
 
@@ -77,6 +77,7 @@ class Written:
     fd: int
     nbytes: int
     digest: str
+    pieces: checksum.Pieces | None = None
 
 
 def check_slot(slot: SlotFile, step: int, generation: int, nbytes: int) -> None:
@@ -126,7 +127,7 @@ def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Pat
         raise classify(exc, tmp) from exc
     written = Written(tmp, final, fd, nbytes, "")
     try:
-        written.digest = direct_io.write_from(fd, slot.payload(), nbytes, before_chunk)
+        written.digest, written.pieces = direct_io.write_from(fd, slot.payload(), nbytes, before_chunk)
         after = slot.read_header()
         if not after.complete or after.generation != generation:
             raise PersistError(

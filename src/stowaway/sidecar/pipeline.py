@@ -75,7 +75,7 @@ class SavePipeline:
             self._answer_failure(state, slot_index, step, "internal", f"internal error: {exc!r}")
             return
         state.send(messages.Persisted(step=step))
-        entry = manifest.FileEntry(state.rank, final.name, written.nbytes, written.digest)
+        entry = manifest.FileEntry.written(state.rank, final.name, written.nbytes, written.digest, written.pieces)
         await self._committer.durable(state.job, step, entry)
 
     def _answer_failure(self, state: RankState, slot: int, step: int, kind: str, reason: str) -> None:

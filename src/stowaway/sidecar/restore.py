@@ -1,8 +1,12 @@
-"""Serving ``load()``: what a rank can restore, and staging a stored file into its slot.
+"""Serving ``load()``: what a rank can restore, staging a stored file into its slot, and opening stored files.
 
 The storage volume is mounted only into the sidecar, so a rank restoring from
 storage hands a slot to the sidecar, which reads the file into it while
 checking the manifest's checksum; the rank then restores from memory as usual.
+A rank that reshards a step saved by another number of ranks needs byte
+ranges of several ranks' files instead: the sidecar opens them read-only and
+passes the descriptors (``open_step``), and the rank reads and checks the
+ranges itself.
 """
 
 from __future__ import annotations
@@ -106,3 +110,26 @@ def stage(job_path: Path, state: RankState, index: int, step: int, direct: bool)
     header.finish_write(slot.header_view, step, generation, entry.bytes)
     state.memory_digests[index] = (generation, step, digest)
     return generation, entry.bytes
+
+
+def open_step(job_path: Path, step: int, ranks: tuple[int, ...]) -> list[int]:
+    """Read-only descriptors of committed ``step``'s manifest and of the files of ``ranks``, in that order.
+
+    Raises ``PersistError`` when the step is not committed, names no such
+    rank, or a file cannot be opened; nothing stays open then.
+    """
+    step_path = layout.step_dir(job_path, step)
+    try:
+        found = manifest.read_manifest(step_path)
+        names = [found.file_for(rank).name for rank in ranks]
+    except manifest.ManifestError as exc:
+        raise PersistError("restore_missing", f"step {step} cannot be opened: {exc}") from exc
+    opened: list[int] = []
+    try:
+        for path in [step_path / layout.MANIFEST, *(step_path / name for name in names)]:
+            opened.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        for fd in opened:
+            os.close(fd)
+        raise PersistError("restore_io", f"cannot open {exc.filename} of step {step}: {exc.strerror}") from exc
+    return opened

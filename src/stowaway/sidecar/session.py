@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 READ_BYTES = 64 * 1024
+# How long an ``opened`` with descriptors may wait for room in the socket before the connection is given up.
+SEND_FILES_TIMEOUT = 60.0
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class SessionClosed(Exception):
@@ -45,6 +54,47 @@ class Session:
     def send(self, message: messages.ToClient) -> None:
         if not self._writer.is_closing():
             self._writer.write(frames.encode(messages.encode(message)))
+
+    async def send_with_files(self, message: messages.ToClient, fds: list[int]) -> None:
+        """Send ``message`` with ``fds`` attached (``SCM_RIGHTS``), in order with every frame sent before it.
+
+        The stream's own buffer cannot carry descriptors: it is drained
+        first, then the frame goes to the socket with the descriptors on its
+        first byte, through a duplicate of the socket (the transport owns the
+        original); whatever part the socket did not take follows through the
+        stream at once, before anything else can be written. A socket that
+        takes nothing yet is waited for, and the stream drained again, as
+        other frames may have been queued meanwhile.
+        """
+        data = frames.encode(messages.encode(message))
+        loop = asyncio.get_running_loop()
+        with socket.socket(fileno=os.dup(self._writer.get_extra_info("socket").fileno())) as raw:
+            while True:
+                await self._drained()
+                if self._writer.is_closing():
+                    return
+                try:
+                    sent = socket.send_fds(raw, [data], fds)
+                    break
+                except BlockingIOError:
+                    writable: asyncio.Future[None] = loop.create_future()
+                    loop.add_writer(raw.fileno(), _settle, writable)
+                    try:
+                        await asyncio.wait_for(writable, SEND_FILES_TIMEOUT)
+                    finally:
+                        loop.remove_writer(raw.fileno())
+        if sent < len(data):
+            self._writer.write(data[sent:])
+
+    async def _drained(self) -> None:
+        """Return once the stream has handed every byte written to it to the socket."""
+        transport = self._writer.transport
+        low, high = transport.get_write_buffer_limits()
+        transport.set_write_buffer_limits(high=0)
+        try:
+            await asyncio.wait_for(self._writer.drain(), SEND_FILES_TIMEOUT)
+        finally:
+            transport.set_write_buffer_limits(high=high, low=low)
 
     def close(self, reason: str) -> None:
         log.warning("closing connection of %s: %s", self.label, reason)
@@ -121,6 +171,23 @@ class Session:
         state, committer = self._rank(), self._sidecar.committer
         await committer.settled(state.job)
         self.send(await asyncio.to_thread(restore.inventory, committer.job_path(state.job), state))
+
+    @_HANDLERS.on(messages.Open)
+    async def _open(self, message: messages.Open) -> None:
+        """Pass read-only descriptors of a committed step's files: the storage is not mounted where the rank runs."""
+        state = self._rank()
+        try:
+            fds = await asyncio.to_thread(restore.open_step, self._sidecar.committer.job_path(state.job),
+                                          message.step, message.ranks)
+        except PersistError as exc:
+            self._sidecar.stats.failed(exc.kind)
+            self.send(messages.Opened(step=message.step, ranks=message.ranks, reason=str(exc)))
+            return
+        try:
+            await self.send_with_files(messages.Opened(step=message.step, ranks=message.ranks, reason=None), fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     @_HANDLERS.on(messages.Restored)
     async def _restored(self, message: messages.Restored) -> None:

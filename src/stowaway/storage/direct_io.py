@@ -43,13 +43,15 @@ def open_file(path: Path, flags: int, mode: int = 0o600, direct: bool = True) ->
     return os.open(path, flags | os.O_CLOEXEC, mode)
 
 
-def write_from(fd: int, payload: memoryview, nbytes: int, before_chunk: Callable[[int], None]) -> str:
-    """Write the first ``nbytes`` of ``payload`` (a page-rounded mapping) to ``fd``; return their checksum.
+def write_from(fd: int, payload: memoryview, nbytes: int,
+               before_chunk: Callable[[int], None]) -> tuple[str, checksum.Pieces]:
+    """Write the first ``nbytes`` of ``payload`` (a page-rounded mapping) to ``fd``; return their checksum, whole
+    and piece by piece (``checksum.Pieces``).
 
     ``before_chunk`` is called with each chunk's size first (the write-rate limit).
     """
     with ThreadPoolExecutor(1, thread_name_prefix="checksum") as hashing:
-        digest = hashing.submit(checksum.of_bytes, payload[:nbytes])
+        digest = hashing.submit(lambda: (checksum.of_bytes(payload[:nbytes]), checksum.pieces_of(payload, nbytes)))
         direct = _is_direct(fd)
         for begin in range(0, nbytes, CHUNK_BYTES):
             end = min(begin + CHUNK_BYTES, nbytes)

@@ -15,10 +15,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stowaway.storage import durable, layout
+from stowaway.storage import checksum, durable, layout
 
 FORMAT = "stowaway-checkpoint"
-FORMAT_VERSION = 1
+# 2: each file entry may carry piece checksums (``header_bytes``, ``piece_bytes``, ``pieces``).
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class ManifestError(ValueError):
@@ -27,10 +29,36 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True)
 class FileEntry:
+    """One rank's file: its size and checksum, and (format version 2) the checksums of its pieces.
+
+    The pieces let a rank verify the byte ranges it reads of a file without
+    reading all of it (a resharding restore); a file of version 1 has none,
+    and is read and checked whole.
+    """
+
     rank: int
     name: str
     bytes: int
     xxh3_64: str
+    header_bytes: int = 0
+    piece_bytes: int = 0
+    pieces: list[str] = field(default_factory=list)
+
+    @classmethod
+    def written(cls, rank: int, name: str, nbytes: int, digest: str, pieces: checksum.Pieces | None) -> FileEntry:
+        if pieces is None:
+            return cls(rank, name, nbytes, digest)
+        return cls(rank, name, nbytes, digest, pieces.header_bytes, pieces.piece_bytes, pieces.digests)
+
+    @property
+    def checked_pieces(self) -> checksum.Pieces | None:
+        """The piece checksums, when the entry has them and they cover the file exactly; else None."""
+        if not self.pieces or self.piece_bytes <= 0 or not 0 < self.header_bytes <= self.bytes:
+            return None
+        found = checksum.Pieces(self.header_bytes, self.piece_bytes, self.pieces)
+        if len(self.pieces) != 1 + -(-(self.bytes - self.header_bytes) // self.piece_bytes):
+            return None
+        return found
 
 
 @dataclass(frozen=True)
@@ -121,20 +149,35 @@ def write_manifest(step_path: Path, manifest: Manifest) -> None:
 
 
 def read_manifest(step_path: Path) -> Manifest:
-    path = step_path / layout.MANIFEST
-    raw = _load(path)
+    return parse_manifest(step_path / layout.MANIFEST, _load(step_path / layout.MANIFEST))
+
+
+def manifest_from_bytes(where: Path, data: bytes) -> Manifest:
+    """A manifest read by whoever holds its bytes but not its path (a rank, through a descriptor the sidecar
+    passed it); ``where`` names it in errors."""
+    try:
+        raw = json.loads(data)
+    except ValueError as exc:
+        raise ManifestError(f"cannot read {where}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where} does not hold a JSON object")
+    return parse_manifest(where, raw)
+
+
+def parse_manifest(path: Path, raw: dict[str, Any]) -> Manifest:
     if raw.get("format") != FORMAT:
         raise ManifestError(f"{path} is not a Stowaway manifest (format {raw.get('format')!r})")
-    if raw.get("format_version") != FORMAT_VERSION:
+    if raw.get("format_version") not in READABLE_VERSIONS:
         raise ManifestError(
             f"{path} has format version {raw.get('format_version')}; this release reads "
-            f"version {FORMAT_VERSION}: upgrade Stowaway to read it"
+            f"versions {', '.join(map(str, READABLE_VERSIONS))}: upgrade Stowaway to read it"
         )
     try:
         manifest = Manifest(
             job=str(raw["job"]), run=str(raw["run"]), step=int(raw["step"]), world_size=int(raw["world_size"]),
             files=[FileEntry(**entry) for entry in raw["files"]], nodes=list(raw["nodes"]),
             timings=dict(raw["timings"]), created_unix=float(raw["created_unix"]),
+            format_version=int(raw["format_version"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(f"{path} is not a valid manifest: {exc}") from exc

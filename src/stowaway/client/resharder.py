@@ -1,0 +1,300 @@
+"""``load()`` of a step saved by another number of ranks: each rank assembles its new shards from stored ranges.
+
+In order: the sidecar opens the step's manifest and every saved rank's file
+and passes the descriptors (``Link.open_files``); the rank reads and checks
+each file's header (its state tree and tensor offsets); it applies the rule
+for what is not sharded; it plans, per DTensor, the regions of saved shards
+its new shard is made of (``format.reshard``); it reads exactly those byte
+ranges, checked piece by piece (``stored_files``), straight into the
+destination where the rows land unchanged (FSDP's ``Shard(0)``); and it
+rebuilds the state, on the caller's meshes or in the caller's tensors
+(``into``).
+
+The rule for plain tensors and other values, which are not sharded: they come
+from one saved rank's file (this rank's number modulo the saved ranks), and
+must be the same in every saved rank's file, as under DDP: the state trees
+(every non-tensor value) are compared whole, and so are the bytes of plain
+tensors of up to ``CHECKED_PLAIN_BYTES``. A difference (an RNG state or a data loader position
+per rank) has no rule that would say which new rank gets which; it is refused
+with ``WorldSizeChanged`` naming the value. Larger plain tensors (DDP's
+parameters) are read from the one file unchecked: reading them from every
+file would multiply the bytes read by the saved ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stowaway.client.link import Link
+from stowaway.client.stored_files import ReadCounter, StoredFile, read_manifest
+from stowaway.errors import CheckpointCorrupt, SaveFailed, UnsupportedState, WorldSizeChanged
+from stowaway.format import dtensors, dtypes, full_tensors, in_place, nodes, reshard, shards
+from stowaway.format import safetensors_header as st
+from stowaway.format import tree as tree_mod
+from stowaway.protocol import messages
+from stowaway.storage import manifest
+
+CHECKED_PLAIN_BYTES = 64 * 2**10
+_TORCH_DTYPES = {name: dtype for dtype, name in tree_mod.SAFETENSORS_NAMES.items()}
+
+
+class Resharder:
+    def __init__(self, job: str, rank: int, world_size: int, allow_pickle: bool, link: Link) -> None:
+        self._job, self._rank, self._world_size = job, rank, world_size
+        self._allow_pickle = allow_pickle
+        self._link = link
+
+    def load(self, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> tuple[Any, int]:
+        """The state of ``step`` resharded onto this rank, and the bytes it read from storage."""
+        counter = ReadCounter()
+        files = self._open(step, counter)
+        try:
+            return self._assembled(step, files, map_location, meshes, into), counter.bytes
+        finally:
+            for stored in files.values():
+                stored.close()
+
+    def _open(self, step: int, counter: ReadCounter) -> dict[int, StoredFile]:
+        where = Path(f"step {step} of job {self._job}")
+        opened, fds = self._link.open_files(step, ())
+        if opened.reason is not None:
+            raise SaveFailed(opened.reason)
+        try:
+            found = read_manifest(fds[0], where / "manifest.json")
+        except manifest.ManifestError as exc:
+            raise CheckpointCorrupt(str(exc)) from exc
+        finally:
+            for fd in fds:
+                os.close(fd)
+        files: dict[int, StoredFile] = {}
+        ranks = list(range(found.world_size))
+        try:
+            for first in range(0, len(ranks), messages.MAX_FILES_PER_OPEN):
+                batch = tuple(ranks[first : first + messages.MAX_FILES_PER_OPEN])
+                opened, fds = self._link.open_files(step, batch)
+                if opened.reason is not None:
+                    raise SaveFailed(opened.reason)
+                os.close(fds[0])
+                for rank, fd in zip(batch, fds[1:], strict=True):
+                    entry = found.file_for(rank)
+                    files[rank] = StoredFile(fd, entry, where / entry.name, counter)
+        except BaseException:
+            for stored in files.values():
+                stored.close()
+            raise
+        return files
+
+    def _assembled(self, step: int, files: dict[int, StoredFile], map_location: Any, meshes: tuple[Any, ...],
+                   into: Any) -> Any:
+        saved = len(files)
+        headers = {rank: _header(stored) for rank, stored in files.items()}
+        trees = {rank: tree for rank, (tree, _) in headers.items()}
+        differing = reshard.differences(trees)
+        if differing:
+            raise WorldSizeChanged(self._unassignable(step, saved, "; ".join(differing)))
+        source = self._rank % saved
+        tree = trees[source]
+        layouts = {rank: {item.spec.name: item for item in found.tensors} for rank, (_, found) in headers.items()}
+        starts = {rank: found.data_start for rank, (_, found) in headers.items()}
+        self._check_plain_equal(step, source, tree, layouts, starts, files)
+        specs = {name: item.spec for name, item in layouts[source].items()}
+        destinations = None
+        if into is not None:
+            metas = {name: torch.empty(spec.shape, dtype=_TORCH_DTYPES[spec.dtype], device="meta")
+                     for name, spec in specs.items()}
+            destinations = in_place.match(tree, metas, into, reshard=True)
+        reader = _Reader(files, layouts, starts)
+        tensors: dict[str, torch.Tensor] = {}
+        builder = _Builder(tree.get(nodes.TREE_MESHES, []), meshes)
+        filled_plain = {name: target for name, target in destinations.targets} if destinations else {}
+        planned: dict[str, list[reshard.Region]] = {}
+        for node in _unique_dtensors(tree):
+            name = node[nodes.DTENSOR][nodes.TENSOR]
+            given = destinations.resharded.get(name) if destinations else None
+            try:
+                if given:
+                    target, local = _target_of(given[0], self._rank), given[0].to_local()
+                else:
+                    mesh = builder.mesh(node)
+                    target = _target_on(mesh, self._rank, node[nodes.DTENSOR_PLACEMENTS])
+                    local = torch.empty(reshard.new_local_shape(node[nodes.DTENSOR_SHAPE], target),
+                                        dtype=_TORCH_DTYPES[specs[name].dtype])
+                    builder.targets[name] = mesh
+                local_shapes = {rank: list(found[name].spec.shape) for rank, found in layouts.items() if name in found}
+                # An optimizer's states repeat their parameter's layout: each layout is planned once.
+                key = json.dumps([node[nodes.DTENSOR_PLACEMENTS], node[nodes.DTENSOR_SHAPE],
+                                  node[nodes.DTENSOR_MESH], target.mesh_shape, target.coordinate, target.placements,
+                                  sorted(local_shapes.items())])
+                if key not in planned:
+                    planned[key] = reshard.regions(node, builder.saved, local_shapes, target, self._rank)
+                regions = planned[key]
+            except reshard.Unmappable as exc:
+                raise WorldSizeChanged(self._unmappable(step, saved, str(exc))) from exc
+            reader.fill(name, local, regions)
+            for other in (given or [])[1:]:
+                with torch.no_grad():
+                    other.to_local().copy_(local)
+            tensors[name] = local if given else _moved(local, map_location)
+        for name in reshard.plain_tensor_names(tree):
+            spec = specs[name]
+            destination = filled_plain.get(name)
+            plain = destination if destination is not None else torch.empty(spec.shape,
+                                                                             dtype=_TORCH_DTYPES[spec.dtype])
+            rows = (0, spec.shape[0] if spec.shape else 1)
+            if plain.numel():
+                reader.fill(name, plain, [reshard.Region(source, rows, (), (), rows)])
+            tensors[name] = plain if destination is not None else _moved(plain, map_location)
+        replaced = destinations.by_node if destinations else None
+        return tree_mod.unflatten(tree, tensors, builder, self._allow_pickle, replaced)
+
+    def _check_plain_equal(self, step: int, source: int, tree: dict[str, Any],
+                           layouts: dict[int, dict[str, st.Placed]], starts: dict[int, int],
+                           files: dict[int, StoredFile]) -> None:
+        """Refuse a small plain tensor that differs between saved files: per-rank state no rule can assign.
+
+        The other files' bytes are compared unchecked (a read of the tensor's bytes only, where a checked read
+        would read its pieces); where they differ, they are read checked, so that a corrupt file is told apart
+        from state that differs per rank.
+        """
+        for name in reshard.plain_tensor_names(tree):
+            item = layouts[source][name]
+            if item.end - item.begin > CHECKED_PLAIN_BYTES:
+                continue
+            expected = bytes(files[source].read(starts[source] + item.begin, starts[source] + item.end))
+            for rank in sorted(layouts):
+                other = layouts[rank].get(name)
+                if rank == source or other is None:
+                    continue
+                begin, end = starts[rank] + other.begin, starts[rank] + other.end
+                if files[rank].peek(begin, end) == expected or bytes(files[rank].read(begin, end)) == expected:
+                    continue
+                raise WorldSizeChanged(self._unassignable(
+                    step, len(files), f"the tensor stored as {name!r} differs between saved ranks {source} and {rank}"))
+
+    def _unassignable(self, step: int, saved: int, what: str) -> str:
+        return (f"rank {self._rank}: step {step} of job {self._job} was saved by {saved} ranks and this job has "
+                f"{self._world_size}, and it cannot be resharded: {what}. State that is not a DTensor is restored "
+                "from one saved rank's file only when every saved rank holds the same (as DDP keeps it); state "
+                "that differs per rank (an RNG state, a data loader's position) has no rule that says which new "
+                "rank gets which. Leave it out of the state you save, or make it the same on every rank, or read "
+                "each saved rank's value with stowaway.read_checkpoint(path, rank=...) where the storage is "
+                f"mounted; or run the job on {saved} ranks")
+
+    def _unmappable(self, step: int, saved: int, what: str) -> str:
+        return (f"rank {self._rank}: step {step} of job {self._job} was saved by {saved} ranks and this job has "
+                f"{self._world_size}, and it cannot be resharded: {what}. Run the job on {saved} ranks, or save "
+                "that tensor as Shard or Replicate (or as its full_tensor())")
+
+
+def _header(stored: StoredFile) -> tuple[dict[str, Any], st.Layout]:
+    """A saved rank's state tree and tensor layout, from its checked header."""
+    raw = stored.read(0, stored.header_bytes)
+    try:
+        layout, metadata = st.parse(raw, stored.entry.bytes)
+        tree = json.loads(metadata[nodes.METADATA_KEY])
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise st.HeaderError(f"{stored.where} holds no Stowaway state tree: {exc}") from exc
+    return tree, layout
+
+
+def _unique_dtensors(tree: dict[str, Any]) -> list[nodes.Node]:
+    found: dict[str, nodes.Node] = {}
+    for node in shards.dtensor_nodes(tree[nodes.TREE_ROOT]):
+        found.setdefault(node[nodes.DTENSOR][nodes.TENSOR], node)
+    return [found[name] for name in sorted(found)]
+
+
+def _target_on(mesh: Any, rank: int, placements: list[dict[str, Any]]) -> reshard.Target:
+    position = full_tensors.mesh_position(mesh.mesh.tolist(), rank)
+    if position is None:
+        raise reshard.Unmappable(f"rank {rank} is not in the mesh {mesh.mesh.tolist()} passed to load()")
+    return reshard.Target(tuple(position[0]), position[1], placements)
+
+
+def _target_of(value: Any, rank: int) -> reshard.Target:
+    placements = [dtensors.encode_placement(placement, "into") for placement in value.placements]
+    return _target_on(value.device_mesh, rank, placements)
+
+
+def _moved(local: torch.Tensor, map_location: Any) -> torch.Tensor:
+    device = torch.device(map_location)
+    return local if device == torch.device("cpu") else local.to(device)
+
+
+class _Reader:
+    """Fills new local tensors from the regions of saved shards that make them up."""
+
+    def __init__(self, files: dict[int, StoredFile], layouts: dict[int, dict[str, st.Placed]],
+                 starts: dict[int, int]) -> None:
+        self._files = files
+        self._layouts = layouts
+        self._starts = starts
+
+    def fill(self, name: str, local: torch.Tensor, regions: list[reshard.Region]) -> None:
+        for region in regions:
+            item = self._layouts[region.rank][name]
+            shape = item.spec.shape
+            element = dtypes.ELEMENT_BYTES[item.spec.dtype]
+            row_bytes = element * int(np.prod(shape[1:], dtype=np.int64)) if shape else element
+            begin = self._starts[region.rank] + item.begin + region.rows[0] * row_bytes
+            end = self._starts[region.rank] + item.begin + region.rows[1] * row_bytes
+            stored = self._files[region.rank]
+            if region.whole_rows is not None and local.device.type == "cpu" and local.is_contiguous():
+                rows = local.reshape(1) if not shape else local[region.whole_rows[0] : region.whole_rows[1]]
+                # Detached: the bytes of a Parameter that requires grad are written as any tensor's.
+                stored.read(begin, end, memoryview(rows.detach().reshape(-1).view(torch.uint8).numpy().data))
+                continue
+            raw = torch.frombuffer(stored.read(begin, end), dtype=torch.uint8)
+            block = raw.view(_TORCH_DTYPES[item.spec.dtype]).reshape(region.rows[1] - region.rows[0], *shape[1:])
+            if not region.source:  # a whole plain tensor, into a destination the bytes cannot be read into
+                with torch.no_grad():
+                    local.copy_(block.reshape(local.shape))
+                continue
+            source = tuple(torch.from_numpy(index) for index in np.ix_(*region.source))
+            target = tuple(torch.from_numpy(index) for index in np.ix_(*region.target))
+            with torch.no_grad():
+                local[target] = block[source].to(local.device)
+
+
+class _Builder:
+    """Rebuilds each resharded DTensor on the caller's mesh, with the saved placements."""
+
+    def __init__(self, saved: list[dict[str, Any]], given: tuple[Any, ...]) -> None:
+        self.saved = saved
+        self._given = given
+        self.targets: dict[str, Any] = {}
+
+    def mesh(self, node: nodes.Node) -> Any:
+        """The mesh passed to ``load`` that stands for the DTensor's saved one: the same names, or dimensions."""
+        saved = self.saved[node[nodes.DTENSOR_MESH]]
+        names = saved[nodes.MESH_NAMES]
+        dims = np.array(saved[nodes.MESH_RANKS]).ndim
+        for mesh in self._given:
+            given_names = list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+            if (given_names == names if names else mesh.mesh.ndim == dims) and mesh.mesh.ndim == dims:
+                return mesh
+        name = node[nodes.DTENSOR][nodes.TENSOR]
+        shown = f" named {tuple(names)}" if names else ""
+        raise UnsupportedState(
+            f"the DTensor stored as {name!r} was saved on a {dims}-dimensional {saved[nodes.MESH_DEVICE]} mesh"
+            f"{shown} by another number of ranks: pass load(device_mesh=...) this job's mesh of that shape (for "
+            "FSDP2, the mesh given to fully_shard), or load(into=...) the state whose DTensors it fills"
+        )
+
+    def rebuild(self, node: nodes.Node, local: torch.Tensor) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        name = node[nodes.DTENSOR][nodes.TENSOR]
+        dtensor = DTensor.from_local(
+            local, self.targets[name], [dtensors.decode_placement(item) for item in node[nodes.DTENSOR_PLACEMENTS]],
+            run_check=False, shape=torch.Size(node[nodes.DTENSOR_SHAPE]), stride=tuple(node[nodes.DTENSOR_STRIDE]),
+        )
+        if nodes.DTENSOR_PARAMETER in node:
+            return torch.nn.Parameter(dtensor, requires_grad=bool(node[nodes.DTENSOR_PARAMETER]))
+        return dtensor
