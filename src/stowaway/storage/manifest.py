@@ -122,7 +122,21 @@ def write_manifest(step_path: Path, manifest: Manifest) -> None:
 
 def read_manifest(step_path: Path) -> Manifest:
     path = step_path / layout.MANIFEST
-    raw = _load(path)
+    return _checked(_load(path), path)
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """A manifest read from elsewhere than a file (an object in a bucket); ``where`` names it in errors."""
+    try:
+        raw = json.loads(data)
+    except ValueError as exc:
+        raise ManifestError(f"cannot read {where}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where} does not hold a JSON object")
+    return _checked(raw, where)
+
+
+def _checked(raw: dict[str, Any], path: Path | str) -> Manifest:
     if raw.get("format") != FORMAT:
         raise ManifestError(f"{path} is not a Stowaway manifest (format {raw.get('format')!r})")
     if raw.get("format_version") != FORMAT_VERSION:

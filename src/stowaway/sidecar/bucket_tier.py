@@ -1,0 +1,244 @@
+"""The bucket tier: steps committed on the claim, uploaded in the background; the claim refilled from it.
+
+Order of an upload (one step, one worker thread):
+1. read the claim's manifest of the step (the step may have been dropped
+   by the claim's retention meanwhile: then it is skipped, not failed);
+2. upload each rank file as a streamed multipart upload, several parts in
+   flight, checked against the manifest before its last part is sent;
+3. upload the manifest, last: from then on the step is committed in the
+   bucket;
+4. apply the bucket's own retention (manifest first), and sweep torn
+   uploads below the newest committed step.
+
+The tier never holds a slot and never delays a save: it reads committed
+files only, and the claim commits whatever the bucket does. A failure is
+logged, counted by reason, and retried after ``--upload-retry-interval``
+with the newest committed step. On start the tier looks at every job on the
+claim, so a sidecar killed mid-upload resumes where the bucket stands.
+
+When a rank asks what it can restore and the claim holds no committed step
+of its job (a new cluster, a lost volume), the newest step the bucket holds
+is first copied onto the claim (rank files, then the manifest), and restored
+from there as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from stowaway.sidecar import tier_plan
+from stowaway.sidecar.config import SidecarConfig
+from stowaway.sidecar.metrics import BucketMetrics
+from stowaway.storage import bucket, catalog, checksum, durable, layout, manifest
+from stowaway.storage.layout import TMP_SUFFIX
+
+log = logging.getLogger(__name__)
+
+
+class BucketTier:
+    def __init__(self, config: SidecarConfig, metrics: BucketMetrics) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._location = bucket.Location.parse(config.bucket)
+        self._settings = bucket.Settings(
+            endpoint=config.bucket_endpoint or None, region=config.bucket_region or None,
+            virtual_hosted=config.bucket_virtual_hosted,
+            ca_bundle=Path(config.bucket_ca_bundle) if config.bucket_ca_bundle else None,
+            part_bytes=config.upload_part_bytes, concurrency=config.upload_concurrency,
+            retry_seconds=config.upload_retry_timeout,
+        )
+        self._bucket: bucket.Bucket | None = None
+        self._wanted: set[str] = set()
+        self._wake = asyncio.Event()
+        self._stopping = threading.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._filling: dict[str, asyncio.Lock] = {}
+
+    @property
+    def location(self) -> bucket.Location:
+        return self._location
+
+    def _job_path(self, job: str) -> Path:
+        return layout.job_dir(self._config.storage, job)
+
+    def _open(self) -> bucket.Bucket:
+        """The client, made on first use in a worker thread: importing obstore takes a moment."""
+        if self._bucket is None:
+            self._bucket = bucket.Bucket(self._location, self._settings)
+        return self._bucket
+
+    def start(self) -> None:
+        """Resume: every job on the claim is compared with the bucket once, then on each commit."""
+        storage = self._config.storage
+        if storage.is_dir():
+            self._wanted.update(child.name for child in storage.iterdir() if layout.is_job_dir(child))
+        self._wake.set()
+        self._task = asyncio.create_task(self._run(), name=f"bucket tier {self._location}")
+
+    def committed(self, job: str, step: int) -> None:
+        """A step committed on the claim (by this node, which hosts global rank 0): upload it."""
+        self._metrics.newest("claim", step)
+        self._wanted.add(job)
+        self._wake.set()
+
+    async def stop(self, timeout: float) -> bool:
+        """Abandon uploads in progress (their multipart uploads are aborted; the next start redoes them).
+
+        True when the worker stopped within ``timeout``: a part in flight
+        ends when its request does.
+        """
+        self._stopping.set()
+        self._wake.set()
+        if self._task is None:
+            return True
+        _, pending = await asyncio.wait({self._task}, timeout=timeout)
+        return not pending
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping.is_set():
+            await self._wake.wait()
+            self._wake.clear()
+            jobs, self._wanted = self._wanted, set()
+            for job in sorted(jobs):
+                if self._stopping.is_set():
+                    return
+                try:
+                    await asyncio.to_thread(self._sync, job)
+                except bucket.Stopped:
+                    return
+                except (bucket.BucketError, OSError, manifest.ManifestError) as exc:
+                    kind = exc.kind if isinstance(exc, bucket.BucketError) else "claim_io"
+                    self._metrics.failed(kind)
+                    log.warning("upload of job %s to %s failed, retrying in %.0f s: %s", job, self._location,
+                                self._config.upload_retry_interval, exc)
+                    self._wanted.add(job)
+                    loop.call_later(self._config.upload_retry_interval, self._wake.set)
+                except Exception:
+                    log.exception("upload of job %s to %s failed unexpectedly", job, self._location)
+                    self._metrics.failed("bucket_io")
+                    self._wanted.add(job)
+                    loop.call_later(self._config.upload_retry_interval, self._wake.set)
+
+    def _sync(self, job: str) -> None:
+        """Bring the bucket up to the claim for ``job``, then apply the bucket's retention (worker thread)."""
+        store = self._open()
+        claim = catalog.committed_steps(self._job_path(job))
+        if claim:
+            self._metrics.newest("claim", claim[-1])
+        present = store.step_objects(job)
+        committed = sorted(step for step, keys in present.items()
+                           if any(key.endswith("/" + layout.MANIFEST) for key in keys))
+        for step in tier_plan.to_upload(claim, committed, self._config.bucket_keep_every):
+            if self._upload_step(store, job, step):
+                committed.append(step)
+        if committed:
+            self._metrics.newest("bucket", max(committed))
+        for step in tier_plan.to_delete(committed, self._config.bucket_keep_last, self._config.bucket_keep_every):
+            store.remove_step(job, [*present.get(step, []), store.step_key(job, step, layout.MANIFEST)])
+            log.info("bucket retention: removed step %d of job %s from %s", step, job, self._location)
+        for step in tier_plan.to_sweep(sorted(present), committed):
+            store.remove_step(job, present[step])
+            log.info("removed the torn upload of step %d of job %s from %s", step, job, self._location)
+
+    def _upload_step(self, store: bucket.Bucket, job: str, step: int) -> bool:
+        """Upload one committed step, manifest last; False when the claim's retention dropped it meanwhile."""
+        step_path = layout.step_dir(self._job_path(job), step)
+        try:
+            found = manifest.read_manifest(step_path)
+            manifest_bytes = (step_path / layout.MANIFEST).read_bytes()
+        except (manifest.ManifestError, FileNotFoundError):
+            log.info("step %d of job %s left the claim before its upload; a newer one goes instead", step, job)
+            return False
+        started = time.monotonic()
+        for entry in found.files:
+            try:
+                store.upload_file(store.step_key(job, step, entry.name), step_path / entry.name, entry,
+                                  self._stopping, self._metrics.uploaded_bytes.inc)
+            except FileNotFoundError:
+                log.info("step %d of job %s left the claim during its upload; a newer one goes instead", step, job)
+                return False
+        store.put(store.step_key(job, step, layout.MANIFEST), manifest_bytes)
+        seconds = time.monotonic() - started
+        self._metrics.upload_duration.observe(seconds)
+        self._metrics.uploads.inc()
+        self._metrics.newest("bucket", step)
+        log.info("uploaded step %d of job %s (%d bytes) to %s in %.3f s", step, job, found.total_bytes,
+                 store.url(job), seconds)
+        return True
+
+    async def fill_claim(self, job: str) -> None:
+        """If the claim holds no committed step of ``job``, copy the bucket's newest onto it first.
+
+        Ranks ask one after another; a lock per job makes the first do the
+        copy and the others find it done. A failure is logged and counted:
+        the ranks then see what the claim holds, as without a bucket.
+        """
+        lock = self._filling.setdefault(job, asyncio.Lock())
+        async with lock:
+            try:
+                await asyncio.to_thread(self._fill, job)
+            except (bucket.BucketError, OSError, manifest.ManifestError) as exc:
+                self._metrics.failed(exc.kind if isinstance(exc, bucket.BucketError) else "claim_io")
+                log.error("job %s has no checkpoint on the claim and none could be restored from %s: %s",
+                          job, self._location, exc)
+
+    def _fill(self, job: str) -> None:
+        job_path = self._job_path(job)
+        if catalog.committed_steps(job_path):
+            return
+        store = self._open()
+        for step in reversed(store.committed_steps(job)):
+            found = store.read_manifest(job, step)
+            started = time.monotonic()
+            try:
+                self._download_step(store, job_path, found)
+            except _Corrupt as exc:
+                self._metrics.failed("restore_corrupt")
+                log.error("step %d of job %s in %s is corrupt, trying the next older one: %s",
+                          step, job, self._location, exc)
+                continue
+            log.info("copied step %d of job %s (%d bytes) from %s to the claim in %.3f s: the claim held none",
+                     step, job, found.total_bytes, store.url(job), time.monotonic() - started)
+            return
+
+    def _download_step(self, store: bucket.Bucket, job_path: Path, found: manifest.Manifest) -> None:
+        step_path = layout.step_dir(job_path, found.step)
+        durable.make_dirs(step_path)
+        for entry in found.files:
+            self._download_file(store, store.step_key(job_path.name, found.step, entry.name),
+                                step_path / entry.name, entry)
+        # Last, as on any tier: the copy counts as committed on the claim once the manifest is there.
+        raw = store.read(store.step_key(job_path.name, found.step, layout.MANIFEST))
+        durable.write_atomic(step_path / layout.MANIFEST, raw)
+        durable.write_atomic(job_path / layout.LATEST, f"{found.step}\n".encode())
+
+    def _download_file(self, store: bucket.Bucket, key: str, final: Path, entry: manifest.FileEntry) -> None:
+        tmp = final.with_name(f"{final.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, durable.FILE_MODE)
+        hasher = checksum.new()
+        total = 0
+        try:
+            for chunk in store.chunks(key):
+                hasher.update(chunk)
+                total += len(chunk)
+                self._metrics.downloaded_bytes.inc(len(chunk))
+                while chunk:
+                    chunk = chunk[os.write(fd, chunk):]
+            if total != entry.bytes or hasher.hexdigest() != entry.xxh3_64:
+                raise _Corrupt(f"{bucket.SCHEME}{store.location.bucket}/{key}: {total} bytes with xxh3-64 "
+                               f"{hasher.hexdigest()}, the manifest says {entry.bytes} bytes with {entry.xxh3_64}")
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        durable.publish(fd, tmp, final)
+
+
+class _Corrupt(Exception):
+    """An object of the bucket does not match its manifest."""
