@@ -82,7 +82,9 @@ class S3Server:
         command = [
             str(self.weed), "server", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.telemetry=false",
-            f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=8",
+            # Each bucket is a collection that takes several volumes at once: room for many buckets, each
+            # volume small (and sparse on disk).
+            f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=300",
             "-master.volumeSizeLimitMB=64",
             f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
             "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",

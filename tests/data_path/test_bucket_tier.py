@@ -11,6 +11,8 @@ import pytest
 from s3server import S3Server
 
 from data_path.processes import wait_for
+from data_path.rank_driver import pattern
+from stowaway import read_checkpoint
 from stowaway.storage import bucket, bucket_jobs, catalog, layout
 
 pytestmark = pytest.mark.s3
@@ -82,3 +84,20 @@ def test_a_pod_whose_claim_is_empty_restores_from_the_bucket(
     assert catalog.committed_steps(short_tmp / "claim-b" / "job") == [7]
     assert (short_tmp / "claim-b" / "job" / layout.LATEST).read_text().strip() == "7"
     restored.exit()
+
+
+def test_read_checkpoint_reads_a_step_from_the_bucket(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank) -> None:
+    url = f"s3://{s3_bucket}/ckpt"
+    sidecar = start_sidecar(extra=["--bucket", url])
+    ranks = [start_rank(sidecar, rank=rank, world_size=2) for rank in range(2)]
+    for rank in ranks:
+        rank.save(5, numel=1000)
+    assert all(rank.wait(5).get("committed") for rank in ranks)
+    for rank in ranks:
+        rank.exit()
+    wait_for(lambda: bucket_steps(bucket_env, f"{url}/job") == [5], "step 5 in the bucket", log=sidecar.log)
+
+    step, state = read_checkpoint(f"{url}/job", rank=1)
+    assert step == 5 and state["rank"] == 1 and state["step"] == 5
+    assert bool((state["w"] == pattern(1, 5)).all()) and state["w"].numel() == 1000

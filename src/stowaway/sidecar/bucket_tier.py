@@ -54,6 +54,8 @@ class BucketTier:
         )
         self._bucket: bucket.Bucket | None = None
         self._wanted: set[str] = set()
+        # Per job, the steps committed in the bucket as this sidecar last listed or made them.
+        self._known: dict[str, list[int]] = {}
         self._wake = asyncio.Event()
         self._stopping = threading.Event()
         self._task: asyncio.Task[None] | None = None
@@ -126,25 +128,35 @@ class BucketTier:
                     loop.call_later(self._config.upload_retry_interval, self._wake.set)
 
     def _sync(self, job: str) -> None:
-        """Bring the bucket up to the claim for ``job``, then apply the bucket's retention (worker thread)."""
+        """Bring the bucket up to the claim for ``job``, then apply the bucket's retention (worker thread).
+
+        The bucket's committed steps are listed once and then remembered
+        (this sidecar is their only writer), so an upload starts without a
+        request first; a failure forgets them, and the next try lists again.
+        """
         store = self._open()
         claim = catalog.committed_steps(self._job_path(job))
         if claim:
             self._metrics.newest("claim", claim[-1])
+        known = self._known.pop(job, None)
+        if known is None:
+            known = store.committed_steps(job)
+        for step in tier_plan.to_upload(claim, known, self._config.bucket_keep_every):
+            if self._upload_step(store, job, step):
+                known.append(step)
         present = store.step_objects(job)
         committed = sorted(step for step, keys in present.items()
                            if any(key.endswith("/" + layout.MANIFEST) for key in keys))
-        for step in tier_plan.to_upload(claim, committed, self._config.bucket_keep_every):
-            if self._upload_step(store, job, step):
-                committed.append(step)
         if committed:
-            self._metrics.newest("bucket", max(committed))
-        for step in tier_plan.to_delete(committed, self._config.bucket_keep_last, self._config.bucket_keep_every):
-            store.remove_step(job, [*present.get(step, []), store.step_key(job, step, layout.MANIFEST)])
+            self._metrics.newest("bucket", committed[-1])
+        dropped = tier_plan.to_delete(committed, self._config.bucket_keep_last, self._config.bucket_keep_every)
+        for step in dropped:
+            store.remove_step(job, present[step])
             log.info("bucket retention: removed step %d of job %s from %s", step, job, self._location)
         for step in tier_plan.to_sweep(sorted(present), committed):
             store.remove_step(job, present[step])
             log.info("removed the torn upload of step %d of job %s from %s", step, job, self._location)
+        self._known[job] = [step for step in committed if step not in dropped]
 
     def _upload_step(self, store: bucket.Bucket, job: str, step: int) -> bool:
         """Upload one committed step, manifest last; False when the claim's retention dropped it meanwhile."""
@@ -155,6 +167,7 @@ class BucketTier:
         except (manifest.ManifestError, FileNotFoundError):
             log.info("step %d of job %s left the claim before its upload; a newer one goes instead", step, job)
             return False
+        log.info("uploading step %d of job %s (%d bytes) to %s", step, job, found.total_bytes, store.url(job))
         started = time.monotonic()
         for entry in found.files:
             try:

@@ -261,8 +261,8 @@ class Bucket:
             # The last chunk goes only if the whole file is what the manifest says.
             if total >= entry.bytes and (handle.read(1) or total != entry.bytes
                                          or hasher.hexdigest() != entry.xxh3_64):
-                raise BucketError("source_changed", f"{path} no longer matches its manifest (size "
-                                  f"{total}+, expected {entry.bytes}); not uploaded")
+                raise BucketError("source_changed", f"{path} no longer matches its manifest (expected "
+                                  f"{entry.bytes} bytes with xxh3-64 {entry.xxh3_64}); not uploaded")
             sent(len(data))
             yield data
         if total != entry.bytes:
