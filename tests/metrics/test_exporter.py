@@ -142,3 +142,18 @@ def test_every_failure_kind_the_sidecar_can_report_is_a_known_reason() -> None:
                     kinds.add(argument.value)
     assert {"commit_timeout", "peer_refused", "protocol", "internal", "restore_corrupt"} <= kinds, kinds
     assert kinds <= set(FAILURE_REASONS), sorted(kinds - set(FAILURE_REASONS))
+
+
+def test_every_kind_the_bucket_tier_can_report_is_a_known_bucket_reason() -> None:
+    from stowaway.sidecar.metrics import BUCKET_FAILURE_REASONS
+    from stowaway.storage import bucket
+
+    kinds = set(bucket.KINDS)
+    source = (SIDECAR_SOURCE / "bucket_tier.py").read_text()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "upload_failed" and node.args:
+            # Every string the argument may evaluate to, also inside a conditional expression.
+            kinds.update(part.value for part in ast.walk(node.args[0])
+                         if isinstance(part, ast.Constant) and isinstance(part.value, str))
+    assert {"claim_io", "restore_corrupt", "bucket_denied"} <= kinds
+    assert kinds <= set(BUCKET_FAILURE_REASONS), sorted(kinds - set(BUCKET_FAILURE_REASONS))

@@ -116,14 +116,14 @@ class BucketTier:
                     return
                 except (bucket.BucketError, OSError, manifest.ManifestError) as exc:
                     kind = exc.kind if isinstance(exc, bucket.BucketError) else "claim_io"
-                    self._metrics.failed(kind)
+                    self._metrics.upload_failed(kind)
                     log.warning("upload of job %s to %s failed, retrying in %.0f s: %s", job, self._location,
                                 self._config.upload_retry_interval, exc)
                     self._wanted.add(job)
                     loop.call_later(self._config.upload_retry_interval, self._wake.set)
                 except Exception:
                     log.exception("upload of job %s to %s failed unexpectedly", job, self._location)
-                    self._metrics.failed("bucket_io")
+                    self._metrics.upload_failed("bucket_io")
                     self._wanted.add(job)
                     loop.call_later(self._config.upload_retry_interval, self._wake.set)
 
@@ -180,6 +180,7 @@ class BucketTier:
         seconds = time.monotonic() - started
         self._metrics.upload_duration.observe(seconds)
         self._metrics.uploads.inc()
+        self._metrics.last_upload_timestamp.set(time.time())
         self._metrics.newest("bucket", step)
         log.info("uploaded step %d of job %s (%d bytes) to %s in %.3f s", step, job, found.total_bytes,
                  store.url(job), seconds)
@@ -197,7 +198,7 @@ class BucketTier:
             try:
                 await asyncio.to_thread(self._fill, job)
             except (bucket.BucketError, OSError, manifest.ManifestError) as exc:
-                self._metrics.failed(exc.kind if isinstance(exc, bucket.BucketError) else "claim_io")
+                self._metrics.upload_failed(exc.kind if isinstance(exc, bucket.BucketError) else "claim_io")
                 log.error("job %s has no checkpoint on the claim and none could be restored from %s: %s",
                           job, self._location, exc)
 
@@ -212,7 +213,7 @@ class BucketTier:
             try:
                 self._download_step(store, job_path, found)
             except _Corrupt as exc:
-                self._metrics.failed("restore_corrupt")
+                self._metrics.upload_failed("restore_corrupt")
                 log.error("step %d of job %s in %s is corrupt, trying the next older one: %s",
                           step, job, self._location, exc)
                 continue

@@ -199,12 +199,16 @@ class BucketMetrics:
             "stowaway_tier_newest_step", "Newest step this sidecar knows committed in each storage tier; -1 if none.",
             ["tier"], registry=r,
         )
+        self.last_upload_timestamp = Gauge(
+            "stowaway_bucket_last_upload_timestamp_seconds",
+            "Unix time this sidecar last committed a step in the bucket; 0 before the first.", registry=r,
+        )
         self._newest = dict.fromkeys(TIERS, -1)
         self._lock = threading.Lock()
         for tier in TIERS:
             self.newest_step.labels(tier).set(-1)
 
-    def failed(self, reason: str) -> None:
+    def upload_failed(self, reason: str) -> None:
         if reason not in BUCKET_FAILURE_REASONS:
             log.warning("bucket failure reason %r is not a known metric label; counted as bucket_io", reason)
             reason = "bucket_io"
