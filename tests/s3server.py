@@ -5,10 +5,10 @@ the first such test and says where it is in ``$STOWAWAY_WEED``, or why it
 cannot be built in ``$STOWAWAY_WEED_MISSING`` (only when there is no Go
 toolchain: the tests are then skipped with that message).
 
-Two identities: ``admin`` creates buckets (SeaweedFS creates one on an
+Three identities: ``admin`` creates buckets (SeaweedFS creates one on an
 admin's first upload), ``trainer`` is what the sidecar and the tools use: it
 may read, write and list, but not create buckets, so a missing bucket stays
-missing, as on a real service.
+missing, as on a real service; ``reader`` may only read and list.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from obstore.store import S3Store
 
 TRAINER = ("stowaway-trainer", "trainer-secret-0123456789")
 ADMIN = ("stowaway-admin", "admin-secret-0123456789")
+# May read and list only: a read-only bucket, as far as a sidecar using it can tell.
+READER = ("stowaway-reader", "reader-secret-0123456789")
 START_TIMEOUT = 60.0
 
 
@@ -73,6 +75,8 @@ class S3Server:
              "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
             {"name": "trainer", "credentials": [{"accessKey": TRAINER[0], "secretKey": TRAINER[1]}],
              "actions": ["Read", "Write", "List", "Tagging"]},
+            {"name": "reader", "credentials": [{"accessKey": READER[0], "secretKey": READER[1]}],
+             "actions": ["Read", "List"]},
         ]}
         (self.root / "s3.json").write_text(json.dumps(config))
         self.process: subprocess.Popen[bytes] | None = None

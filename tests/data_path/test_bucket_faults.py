@@ -14,7 +14,7 @@ from pathlib import Path
 
 import obstore
 import pytest
-from s3server import S3Server, weed_binary
+from s3server import READER, TRAINER, S3Server, weed_binary
 
 from data_path.processes import wait_for
 from stowaway.storage import bucket, bucket_jobs, catalog
@@ -80,15 +80,17 @@ def test_a_bucket_that_is_down_never_blocks_saves_and_gets_the_newest_step_once_
     rank.exit()
 
 
-@pytest.mark.parametrize(("target", "secret", "reason"), [
-    ("s3://ckpt/p", "not-the-secret-at-all", "bucket_denied"),
+@pytest.mark.parametrize(("target", "identity", "reason"), [
+    ("s3://ckpt/p", (TRAINER[0], "not-the-secret-at-all"), "bucket_denied"),
     ("s3://no-such-bucket/p", None, "bucket_missing"),
-], ids=["wrong credentials", "missing bucket"])
+    ("s3://ckpt/p", READER, "bucket_denied"),
+], ids=["wrong credentials", "missing bucket", "read-only bucket"])
 def test_a_bucket_that_refuses_is_counted_and_logged_without_secrets_and_saves_commit(
         own_server: S3Server, start_sidecar, start_rank, monkeypatch: pytest.MonkeyPatch, target: str,
-        secret: str | None, reason: str) -> None:
-    if secret is not None:
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+        identity: tuple[str, str] | None, reason: str) -> None:
+    if identity is not None:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", identity[0])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", identity[1])
     used_secret = os.environ["AWS_SECRET_ACCESS_KEY"]
     port = free_port()
     sidecar = start_sidecar(extra=["--bucket", target, "--metrics-port", str(port), *FAST_RETRIES])

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -34,8 +33,7 @@ from pathlib import Path
 from stowaway.sidecar import tier_plan
 from stowaway.sidecar.config import SidecarConfig
 from stowaway.sidecar.metrics import BucketMetrics
-from stowaway.storage import bucket, catalog, checksum, durable, layout, manifest
-from stowaway.storage.layout import TMP_SUFFIX
+from stowaway.storage import bucket, catalog, durable, layout, manifest
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +210,7 @@ class BucketTier:
             started = time.monotonic()
             try:
                 self._download_step(store, job_path, found)
-            except _Corrupt as exc:
+            except bucket.Mismatch as exc:
                 self._metrics.upload_failed("restore_corrupt")
                 log.error("step %d of job %s in %s is corrupt, trying the next older one: %s",
                           step, job, self._location, exc)
@@ -225,34 +223,9 @@ class BucketTier:
         step_path = layout.step_dir(job_path, found.step)
         durable.make_dirs(step_path)
         for entry in found.files:
-            self._download_file(store, store.step_key(job_path.name, found.step, entry.name),
-                                step_path / entry.name, entry)
+            store.download_file(store.step_key(job_path.name, found.step, entry.name), step_path / entry.name,
+                                entry, self._metrics.downloaded_bytes.inc)
         # Last, as on any tier: the copy counts as committed on the claim once the manifest is there.
         raw = store.read(store.step_key(job_path.name, found.step, layout.MANIFEST))
         durable.write_atomic(step_path / layout.MANIFEST, raw)
         durable.write_atomic(job_path / layout.LATEST, f"{found.step}\n".encode())
-
-    def _download_file(self, store: bucket.Bucket, key: str, final: Path, entry: manifest.FileEntry) -> None:
-        tmp = final.with_name(f"{final.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, durable.FILE_MODE)
-        hasher = checksum.new()
-        total = 0
-        try:
-            for chunk in store.chunks(key):
-                hasher.update(chunk)
-                total += len(chunk)
-                self._metrics.downloaded_bytes.inc(len(chunk))
-                while chunk:
-                    chunk = chunk[os.write(fd, chunk):]
-            if total != entry.bytes or hasher.hexdigest() != entry.xxh3_64:
-                raise _Corrupt(f"{bucket.SCHEME}{store.location.bucket}/{key}: {total} bytes with xxh3-64 "
-                               f"{hasher.hexdigest()}, the manifest says {entry.bytes} bytes with {entry.xxh3_64}")
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        durable.publish(fd, tmp, final)
-
-
-class _Corrupt(Exception):
-    """An object of the bucket does not match its manifest."""

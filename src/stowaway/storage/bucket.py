@@ -26,7 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stowaway.storage import checksum, layout, manifest
+from stowaway.storage import checksum, durable, layout, manifest
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
@@ -43,6 +43,10 @@ class BucketError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class Mismatch(Exception):
+    """An object does not match the manifest that lists it."""
 
 
 class Stopped(Exception):
@@ -294,3 +298,25 @@ class Bucket:
         if rest:
             self.delete(rest)
 
+    def download_file(self, key: str, final: Path, entry: manifest.FileEntry, received: Callable[[int], None]) -> None:
+        """Copy object ``key`` to ``final`` durably (temp name, fdatasync, rename, directory fsync), checked
+        against ``entry`` before it gets its name; ``Mismatch`` if it differs (nothing is left behind)."""
+        tmp = final.with_name(f"{final.name}.{os.getpid()}-{threading.get_ident()}{layout.TMP_SUFFIX}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, durable.FILE_MODE)
+        hasher = checksum.new()
+        total = 0
+        try:
+            for chunk in self.chunks(key):
+                hasher.update(chunk)
+                total += len(chunk)
+                received(len(chunk))
+                while chunk:
+                    chunk = chunk[os.write(fd, chunk):]
+            if total != entry.bytes or hasher.hexdigest() != entry.xxh3_64:
+                raise Mismatch(f"{SCHEME}{self.location.bucket}/{key}: {total} bytes with xxh3-64 "
+                               f"{hasher.hexdigest()}, the manifest says {entry.bytes} bytes with {entry.xxh3_64}")
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        durable.publish(fd, tmp, final)
