@@ -35,6 +35,7 @@ SCHEME = "s3://"
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _STEP_KEY = re.compile(r"^step-(\d{12})/(.+)$")
 MiB = 2**20
+READ_CHUNK_BYTES = 1 * MiB
 
 
 class BucketError(Exception):
@@ -215,11 +216,16 @@ class Bucket:
             raise classify(exc, f"reading {SCHEME}{self.location.bucket}/{key}") from exc
 
     def chunks(self, key: str) -> Iterator[memoryview]:
-        """Object ``key`` streamed in chunks of about a part's size, never whole in memory."""
+        """Object ``key`` streamed in chunks of about 1 MiB, never whole in memory.
+
+        Small enough to stay in the CPU's cache between the network, the
+        checksum and the write (measured: 16 MiB chunks, each in fresh
+        memory, read at half the speed).
+        """
         import obstore
 
         try:
-            for chunk in obstore.get(self._store, key).stream(min_chunk_size=self.settings.part_bytes):
+            for chunk in obstore.get(self._store, key).stream(min_chunk_size=READ_CHUNK_BYTES):
                 yield memoryview(chunk)
         except Exception as exc:
             raise classify(exc, f"reading {SCHEME}{self.location.bucket}/{key}") from exc
