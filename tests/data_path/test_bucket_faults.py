@@ -1,6 +1,6 @@
 """Faults of the bucket tier against a real S3 server: the server down or frozen, wrong credentials, a missing
-bucket, the sidecar killed mid-upload. The claim commits through all of them; nothing torn counts as
-committed in the bucket; uploads resume."""
+or read-only bucket, a part failing, the sidecar killed mid-upload. The claim commits through all of them;
+nothing torn counts as committed in the bucket; uploads resume."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import obstore
 import pytest
+from faulty_proxy import FaultyProxy
 from s3server import READER, TRAINER, S3Server, weed_binary
 
 from data_path.processes import wait_for
@@ -137,3 +138,27 @@ def test_a_sidecar_killed_mid_upload_commits_nothing_torn_and_its_restart_upload
         found = job.read_manifest(step)
         assert [job.verify_file(step, entry) for entry in found.files] == [None]
     assert catalog.committed_steps(storage / "job") == [1, 2]
+
+
+def test_a_part_that_fails_is_retried_on_its_own_and_the_step_commits(
+        s3_server: S3Server, s3_bucket: str, start_sidecar, start_rank, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    # The third part of the upload fails once, with a 500.
+    proxy = FaultyProxy(s3_server.endpoint, "PUT", "partNumber=3")
+    with proxy.running():
+        sidecar = start_sidecar(extra=["--bucket", f"s3://{s3_bucket}/p", "--bucket-endpoint", proxy.endpoint,
+                                       "--upload-part-size", str(5 * 2**20)])
+        rank = start_rank(sidecar)
+        rank.save(1, numel=2_000_000)  # 16 MB: four parts
+        assert rank.wait(1).get("committed")
+        url = f"s3://{s3_bucket}/p/job"
+        wait_for(lambda: bucket_steps(s3_server, url) == [1], "step 1 in the bucket", log=sidecar.log)
+        rank.exit()
+    assert len(proxy.failed) == 1 and "partNumber=3" in proxy.failed[0]
+    part_puts = [line for line in proxy.forwarded if line.startswith("PUT") and "partNumber=" in line]
+    assert sorted(int(line.split("partNumber=")[1].split("&")[0]) for line in part_puts) == [1, 2, 3, 4], \
+        "only the failed part is sent again"
+    assert "failed" not in sidecar.log(), "a retried part must not fail the upload"
+    job = bucket_jobs.jobs_at(url, bucket.Settings(endpoint=s3_server.endpoint))[0]
+    assert [job.verify_file(1, entry) for entry in job.read_manifest(1).files] == [None]
