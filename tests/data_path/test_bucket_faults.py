@@ -162,3 +162,32 @@ def test_a_part_that_fails_is_retried_on_its_own_and_the_step_commits(
     assert "failed" not in sidecar.log(), "a retried part must not fail the upload"
     job = bucket_jobs.jobs_at(url, bucket.Settings(endpoint=s3_server.endpoint))[0]
     assert [job.verify_file(1, entry) for entry in job.read_manifest(1).files] == [None]
+
+
+def test_on_several_nodes_only_the_one_hosting_rank_zero_uploads_and_resumes(
+        own_server: S3Server, start_sidecar, start_rank) -> None:
+    extra = ["--bucket", "s3://ckpt/p", *FAST_RETRIES]
+    nodes = [start_sidecar("a", extra=extra), start_sidecar("b", extra=extra)]
+    ranks = [start_rank(nodes[rank // 2], job="multi", rank=rank, world_size=4, local_world_size=2)
+             for rank in range(4)]
+    url = "s3://ckpt/p/multi"
+    for rank in ranks:
+        rank.save(1)
+    assert all(rank.wait(1)["committed"] for rank in ranks)
+    wait_for(lambda: bucket_steps(own_server, url) == [1], "step 1 in the bucket", log=nodes[0].log)
+
+    own_server.stop()
+    for rank in ranks:
+        rank.save(2)
+    assert all(rank.wait(2, timeout=10)["committed"] for rank in ranks), "the bucket held up a commit"
+    for rank in ranks:
+        rank.exit()
+    for node in nodes:
+        assert node.stop() == 0
+    own_server.start()
+    for node in nodes:
+        node.start()
+    wait_for(lambda: bucket_steps(own_server, url) == [1, 2], "the restarted node a to upload step 2",
+             timeout=120, log=nodes[0].log)
+    assert nodes[0].log().count("uploading step 2 of job multi") >= 1
+    assert "uploading" not in nodes[1].log(), "node b uploaded although node a hosts rank 0"

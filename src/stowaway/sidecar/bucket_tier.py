@@ -14,7 +14,9 @@ The tier never holds a slot and never delays a save: it reads committed
 files only, and the claim commits whatever the bucket does. A failure is
 logged, counted by reason, and retried after ``--upload-retry-interval``
 with the newest committed step. On start the tier looks at every job on the
-claim, so a sidecar killed mid-upload resumes where the bucket stands.
+claim whose newest step this node committed (its receipt holds rank 0's
+file), so a sidecar killed mid-upload resumes where the bucket stands, and
+of several nodes sharing the claim only that one uploads.
 
 When a rank asks what it can restore and the claim holds no committed step
 of its job (a new cluster, a lost volume), the newest step the bucket holds
@@ -54,6 +56,8 @@ class BucketTier:
         self._wanted: set[str] = set()
         # Per job, the steps committed in the bucket as this sidecar last listed or made them.
         self._known: dict[str, list[int]] = {}
+        # Jobs this sidecar committed a step of since it started: it hosts their global rank 0.
+        self._committing: set[str] = set()
         self._wake = asyncio.Event()
         self._stopping = threading.Event()
         self._task: asyncio.Task[None] | None = None
@@ -83,6 +87,7 @@ class BucketTier:
     def committed(self, job: str, step: int) -> None:
         """A step committed on the claim (by this node, which hosts global rank 0): upload it."""
         self._metrics.newest("claim", step)
+        self._committing.add(job)
         self._wanted.add(job)
         self._wake.set()
 
@@ -132,10 +137,11 @@ class BucketTier:
         (this sidecar is their only writer), so an upload starts without a
         request first; a failure forgets them, and the next try lists again.
         """
-        store = self._open()
         claim = catalog.committed_steps(self._job_path(job))
-        if claim:
-            self._metrics.newest("claim", claim[-1])
+        if not claim or (job not in self._committing and not self._hosts_rank_zero(job, claim[-1])):
+            return
+        self._metrics.newest("claim", claim[-1])
+        store = self._open()
         known = self._known.pop(job, None)
         if known is None:
             known = store.committed_steps(job)
@@ -155,6 +161,13 @@ class BucketTier:
             store.remove_step(job, present[step])
             log.info("removed the torn upload of step %d of job %s from %s", step, job, self._location)
         self._known[job] = [step for step in committed if step not in dropped]
+
+    def _hosts_rank_zero(self, job: str, step: int) -> bool:
+        """Whether this node's receipt of ``step`` holds rank 0's file: on a restart of several nodes sharing
+        the claim, only the node that commits (and so uploads) resumes the job's uploads."""
+        receipts = manifest.read_receipts(layout.step_dir(self._job_path(job), step))
+        return any(receipt.node == self._config.node and any(entry.rank == 0 for entry in receipt.files)
+                   for receipt in receipts)
 
     def _upload_step(self, store: bucket.Bucket, job: str, step: int) -> bool:
         """Upload one committed step, manifest last; False when the claim's retention dropped it meanwhile."""
