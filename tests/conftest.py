@@ -5,18 +5,25 @@ live in ``tests/k8s/conftest.py``, which pytest loads only when it collects
 that folder, and which builds the control plane's binaries before the first
 ``k8s`` test it selects (see docs/testing-kubernetes.md). Prometheus's
 binaries are located (and installed when missing) by ``hack/prometheus``,
-before the first test marked ``prometheus``. A run that selects neither says
-so after collection, so a tool left out is never mistaken for a tool tested.
+before the first test marked ``prometheus``; SeaweedFS's ``weed``, the S3
+server of the tests marked ``s3``, is built by ``hack/e2e/gobuild`` (cached
+outside the repository) before the first of them (``s3server``). A run that
+selects none of them says so after collection, so a tool left out is never
+mistaken for a tool tested.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import s3server
 
 HACK = Path(__file__).resolve().parents[1] / "hack"
 
@@ -50,13 +57,37 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     a fixture. When it fails, its message is on the terminal and the tests
     fail where they look for the binaries (``metrics/promtools.py``).
     """
-    if session.config.option.collectonly or not _selected(session.items, "prometheus"):
+    if session.config.option.collectonly:
+        return
+    if _selected(session.items, "s3"):
+        _build_weed(session)
+    if not _selected(session.items, "prometheus"):
         return
     capture = session.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
         found = subprocess.run([str(HACK / "prometheus")], stdout=subprocess.PIPE, text=True, check=False)
     if found.returncode == 0 and found.stdout.strip():
         os.environ["PATH"] = f"{found.stdout.strip()}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def _build_weed(session: pytest.Session) -> None:
+    """Build SeaweedFS's ``weed`` (cached outside the repository) and say where it is, for ``s3server``.
+
+    Only a missing Go toolchain makes the s3 tests skip (with that
+    message); a build that fails otherwise fails them, with its log.
+    """
+    go = shutil.which("go") or ("/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").exists() else None)
+    if go is None:
+        os.environ["STOWAWAY_WEED_MISSING"] = ("no Go toolchain (go on PATH or /usr/local/go/bin/go): install "
+                                               "Go >= 1.26 to build SeaweedFS from the Go module proxy")
+        return
+    capture = session.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        built = subprocess.run([str(HACK / "e2e" / "gobuild"), "seaweedfs"], stdout=subprocess.PIPE, text=True,
+                               check=False)
+    lines = [line for line in built.stdout.splitlines() if line.startswith("seaweedfs=")]
+    if built.returncode == 0 and lines:
+        os.environ["STOWAWAY_WEED"] = str(Path(lines[-1].split("=", 1)[1]) / "weed")
 
 
 def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
@@ -66,4 +97,22 @@ def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Ite
         lines.append("k8s tests: none selected, so no control plane is built or started")
     if not _selected(items, "prometheus"):
         lines.append("prometheus tests: none selected, so prometheus and promtool are not looked for")
+    if not _selected(items, "s3"):
+        lines.append("s3 tests: none selected, so no S3 server (SeaweedFS) is built or started")
     return lines
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[s3server.S3Server]:
+    """One SeaweedFS S3 server for the session; each test takes a bucket of its own (``s3_bucket``)."""
+    with s3server.running() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server: s3server.S3Server, request: pytest.FixtureRequest) -> str:
+    """A new, empty bucket named after the test."""
+    name = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:40].strip("-")
+    name = f"{name}-{uuid.uuid4().hex[:8]}"
+    s3_server.create_bucket(name)
+    return name

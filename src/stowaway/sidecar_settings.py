@@ -144,6 +144,22 @@ class Switch:
 
 
 @dataclass(frozen=True)
+class Flag:
+    """A behaviour that is off unless ``--flag`` is given."""
+
+    name: str
+    flag: str
+    help: str
+    default: bool = False
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(self.flag, dest=self.name, action="store_true", help=self.help)
+
+    def command_line(self, value: bool) -> list[str]:
+        return [self.flag] if value else []
+
+
+@dataclass(frozen=True)
 class Repeated(Generic[V]):
     """``--flag VALUE`` given any number of times, each adding one value."""
 
@@ -224,7 +240,59 @@ ALLOWED_UIDS = Repeated(
     metavar="UID",
 )
 
-Setting = Location | Number[int] | Number[float] | Text[str] | Text[None] | Switch | Repeated[int]
+# The bucket tier (docs/object-storage.md). Credentials are not settings: they come from the environment
+# (a Secret's keys as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the pod's workload identity).
+BUCKET = Text(
+    "bucket", "--bucket", "",
+    "also keep checkpoints in this bucket, s3://BUCKET/PREFIX: each step committed in --storage is uploaded "
+    "in the background (manifest last), and load() restores from the bucket when --storage holds none "
+    "(default: no bucket)",
+    metavar="URL",
+)
+BUCKET_ENDPOINT = Text(
+    "bucket_endpoint", "--bucket-endpoint", "",
+    "the S3 endpoint, e.g. https://s3.example.internal:9000 (default: $AWS_ENDPOINT_URL, else AWS)",
+    metavar="URL",
+)
+BUCKET_REGION = Text("bucket_region", "--bucket-region", "",
+                     "the bucket's region (default: $AWS_REGION, else us-east-1)", metavar="REGION")
+BUCKET_CA_BUNDLE = Text("bucket_ca_bundle", "--bucket-ca-bundle", "",
+                        "PEM file of the CA that signed the endpoint's certificate (default: the system's)",
+                        metavar="PATH")
+BUCKET_VIRTUAL_HOSTED = Flag(
+    "bucket_virtual_hosted", "--bucket-virtual-hosted",
+    "address the bucket as BUCKET.ENDPOINT (virtual-hosted style) instead of ENDPOINT/BUCKET (path style, "
+    "which on-premises servers expect)",
+)
+BUCKET_KEEP_LAST = Number(
+    "bucket_keep_last", "--bucket-keep-last", int, 3, "committed checkpoints to keep in the bucket",
+    metavar="K", least=1, requirement="at least 1",
+)
+BUCKET_KEEP_EVERY = Number(
+    "bucket_keep_every", "--bucket-keep-every", int, 0,
+    "also upload and keep in the bucket every checkpoint whose step is a multiple of M (0: off)",
+    metavar="M", least=0, requirement="0 (off) or positive",
+)
+UPLOAD_CONCURRENCY = Number(
+    "upload_concurrency", "--upload-concurrency", int, 8, "parts of one file uploaded at once",
+    metavar="N", least=1, requirement="at least 1",
+)
+UPLOAD_PART_SIZE = Number(
+    "upload_part_bytes", "--upload-part-size", int, 16 * 2**20, "bytes per part of a multipart upload",
+    metavar="BYTES", least=5 * 2**20, most=5 * 2**30, requirement="between 5 MiB and 5 GiB (S3's part limits)",
+)
+UPLOAD_RETRY_TIMEOUT = Number(
+    "upload_retry_timeout", "--upload-retry-timeout", float, 60.0,
+    "how long one request to the bucket (one part) is retried before the upload of the step fails",
+    metavar="SECONDS", above=0, requirement="a positive number of seconds",
+)
+UPLOAD_RETRY_INTERVAL = Number(
+    "upload_retry_interval", "--upload-retry-interval", float, 10.0,
+    "after a failed upload, how long to wait before trying again (the newest committed step)",
+    metavar="SECONDS", above=0, requirement="a positive number of seconds",
+)
+
+Setting = Location | Number[int] | Number[float] | Text[str] | Text[None] | Switch | Flag | Repeated[int]
 PolicySetting = Number[int] | Number[float] | Switch
 
 # In the order of `stowaway sidecar --help`; the settings a policy sets keep this order on the injected command.
@@ -232,6 +300,8 @@ ALL: tuple[Setting, ...] = (
     STORAGE, SOCKET, SHM_DIR, NODE,
     KEEP_LAST, KEEP_EVERY, COMMIT_TIMEOUT, COMMIT_POLL_INTERVAL, STALE_AFTER,
     PERSIST_WORKERS, WRITE_RATE_LIMIT, METRICS_PORT, METRICS_ADDRESS, GRACE_PERIOD, DIRECT_IO, ALLOWED_UIDS,
+    BUCKET, BUCKET_ENDPOINT, BUCKET_REGION, BUCKET_CA_BUNDLE, BUCKET_VIRTUAL_HOSTED, BUCKET_KEEP_LAST,
+    BUCKET_KEEP_EVERY, UPLOAD_CONCURRENCY, UPLOAD_PART_SIZE, UPLOAD_RETRY_TIMEOUT, UPLOAD_RETRY_INTERVAL,
 )
 FROM_POLICY: tuple[PolicySetting, ...] = tuple(
     s for s in ALL if isinstance(s, Number | Switch) and s.policy is not None

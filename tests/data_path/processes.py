@@ -23,15 +23,16 @@ DRIVER = Path(__file__).with_name("rank_driver.py")
 DEADLINE = 60.0
 
 
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = DEADLINE, interval: float = 0.005) -> Any:
-    """Poll an observable condition until it holds; fail naming what never happened."""
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = DEADLINE, interval: float = 0.005,
+             log: Callable[[], str] | None = None) -> Any:
+    """Poll an observable condition until it holds; fail naming what never happened (and showing ``log``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         result = condition()
         if result:
             return result
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + (f":\n{log()}" if log else ""))
 
 
 def as_user(uid: int, groups: list[int]) -> list[str]:

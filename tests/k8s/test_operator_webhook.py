@@ -194,3 +194,37 @@ def test_a_pod_with_its_own_memory_dev_shm_is_stored_with_the_sidecars_volume_in
     assert volumes[injection.SHM_VOLUME].empty_dir.size_limit == str(3 * 2**30)
     (trainer,) = stored.spec.containers
     assert [m.name for m in trainer.volume_mounts if m.mount_path == "/dev/shm"] == [injection.SHM_VOLUME]
+
+
+def test_a_policy_with_a_bucket_tier_is_ready_and_its_sidecar_gets_the_bucket_and_the_secrets_keys(
+    k8s_api: client.ApiClient, ready_policy: str
+) -> None:
+    create_policy(k8s_api, ready_policy, "tiered", storage={
+        "persistentVolumeClaim": {"claimName": "ckpts"},
+        "bucket": {"url": "s3://ckpts/team-a", "endpoint": "http://s3.storage:8333", "credentialsSecret": "s3-keys",
+                   "retention": {"keepEvery": 1000}},
+    })
+    eventually(lambda: (ready_condition(k8s_api, ready_policy, "tiered") or {}).get("status") == "True",
+               what="CheckpointPolicy tiered to be Ready")
+    # The API server filled in the bucket's defaults, which the injection relies on.
+    stored = read_policy(k8s_api, ready_policy, "tiered")["spec"]["storage"]["bucket"]
+    assert stored["retention"] == {"keepLast": 3, "keepEvery": 1000}
+    assert (stored["region"], stored["virtualHostedStyle"]) == ("", False)
+    pod = training_pod(**{injection.POLICY_ANNOTATION: "tiered"})
+    (sidecar,) = client.CoreV1Api(k8s_api).create_namespaced_pod(ready_policy, pod).spec.init_containers
+    command = sidecar.command
+    assert command[command.index("--bucket"):] == [
+        "--bucket", "s3://ckpts/team-a", "--bucket-endpoint", "http://s3.storage:8333",
+        "--bucket-keep-last", "3", "--bucket-keep-every", "1000"]
+    keys = {e.name: e.value_from.secret_key_ref.name for e in sidecar.env if e.value_from and
+            e.value_from.secret_key_ref}
+    assert keys == dict.fromkeys(("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"), "s3-keys")
+
+
+def test_a_bucket_url_that_is_not_s3_is_refused_by_the_api_server(
+    k8s_api: client.ApiClient, ready_policy: str
+) -> None:
+    with pytest.raises(client.ApiException) as refused:
+        create_policy(k8s_api, ready_policy, "bad-bucket", storage={
+            "persistentVolumeClaim": {"claimName": "ckpts"}, "bucket": {"url": "gs://ckpts"}})
+    assert "spec.storage.bucket.url" in refused.value.body

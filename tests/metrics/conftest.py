@@ -24,4 +24,7 @@ class MetricsSidecar:
 @pytest.fixture
 def metrics_sidecar(start_sidecar: Callable[..., SidecarProcess]) -> MetricsSidecar:
     port = free_port()
-    return MetricsSidecar(start_sidecar("a", ["--metrics-port", str(port), "--metrics-address", "127.0.0.1"]), port)
+    # With a bucket tier, whose series exist only then; the endpoint takes no connection (nothing is saved).
+    bucket = ["--bucket", "s3://metrics-test", "--bucket-endpoint", "http://127.0.0.1:9"]
+    return MetricsSidecar(start_sidecar("a", ["--metrics-port", str(port), "--metrics-address", "127.0.0.1",
+                                              *bucket]), port)

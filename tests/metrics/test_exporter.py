@@ -171,3 +171,18 @@ def test_nonsense_staging_times_sent_by_a_rank_are_dropped() -> None:
     found = scrape(stats)
     assert found["stowaway_save_staging_seconds_count"] == 0 and found["stowaway_save_stall_seconds_count"] == 0
     assert found["stowaway_save_overlap_hidden_seconds_total"] == 0
+
+
+def test_every_kind_the_bucket_tier_can_report_is_a_known_bucket_reason() -> None:
+    from stowaway.sidecar.metrics import BUCKET_FAILURE_REASONS
+    from stowaway.storage import bucket
+
+    kinds = set(bucket.KINDS)
+    source = (SIDECAR_SOURCE / "bucket_tier.py").read_text()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "upload_failed" and node.args:
+            # Every string the argument may evaluate to, also inside a conditional expression.
+            kinds.update(part.value for part in ast.walk(node.args[0])
+                         if isinstance(part, ast.Constant) and isinstance(part.value, str))
+    assert {"claim_io", "restore_corrupt", "bucket_denied"} <= kinds
+    assert kinds <= set(BUCKET_FAILURE_REASONS), sorted(kinds - set(BUCKET_FAILURE_REASONS))

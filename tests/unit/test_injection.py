@@ -487,3 +487,73 @@ def test_readiness_counts_only_for_the_current_generation() -> None:
     assert not policy.is_ready(stored)
     stored["metadata"]["generation"] = 1
     assert policy.is_ready(stored)
+
+
+BUCKET = {"url": "s3://ckpts/team-a", "endpoint": "https://s3.internal:9000", "region": "eu-1",
+          "virtualHostedStyle": False, "credentialsSecret": "s3-keys",
+          "caBundle": {"configMapName": "s3-ca", "key": "ca.crt"}, "retention": {"keepLast": 2, "keepEvery": 1000}}
+
+
+def bucket_spec(**bucket: Any) -> dict[str, Any]:
+    return policy_spec(storage={"persistentVolumeClaim": {"claimName": "ckpts", "subPath": ""},
+                                "bucket": {**BUCKET, **bucket}})
+
+
+def test_a_policy_without_a_bucket_gives_the_sidecar_no_bucket_flag_credentials_or_ca() -> None:
+    sidecar = injected()["spec"]["initContainers"][0]
+    assert not [arg for arg in sidecar["command"] if arg.startswith("--bucket")]
+    assert [e["name"] for e in sidecar["env"]] == ["NODE_NAME"]
+    assert injection.bucket_tier.CA_VOLUME not in [v["name"] for v in injected()["spec"]["volumes"]]
+
+
+def test_a_bucket_tier_passes_its_settings_and_retention_on_the_sidecars_command() -> None:
+    command = injected(spec=bucket_spec())["spec"]["initContainers"][0]["command"]
+    tail = command[command.index("--bucket"):]
+    assert tail == ["--bucket", "s3://ckpts/team-a", "--bucket-endpoint", "https://s3.internal:9000",
+                    "--bucket-region", "eu-1", "--bucket-ca-bundle", "/etc/stowaway/bucket-ca/ca.pem",
+                    "--bucket-keep-last", "2", "--bucket-keep-every", "1000"]
+    hosted = injected(spec=bucket_spec(virtualHostedStyle=True))["spec"]["initContainers"][0]["command"]
+    assert "--bucket-virtual-hosted" in hosted
+
+
+def test_bucket_credentials_come_from_the_secret_by_reference_and_never_appear_in_the_pod() -> None:
+    pod = injected(spec=bucket_spec())
+    sidecar = pod["spec"]["initContainers"][0]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in sidecar["env"] if "valueFrom" in e
+            and "secretKeyRef" in e["valueFrom"]}
+    assert refs == {
+        "AWS_ACCESS_KEY_ID": {"name": "s3-keys", "key": "AWS_ACCESS_KEY_ID", "optional": False},
+        "AWS_SECRET_ACCESS_KEY": {"name": "s3-keys", "key": "AWS_SECRET_ACCESS_KEY", "optional": False},
+        "AWS_SESSION_TOKEN": {"name": "s3-keys", "key": "AWS_SESSION_TOKEN", "optional": True},
+    }
+    assert all("value" not in e for e in sidecar["env"])
+    # Only the sidecar gets them: the trainer never sees the bucket's keys.
+    trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "trainer")
+    assert not [e for e in trainer.get("env", []) if e["name"].startswith("AWS_")]
+
+
+def test_without_a_secret_the_sidecar_relies_on_the_pods_workload_identity() -> None:
+    sidecar = injected(spec=bucket_spec(credentialsSecret=""))["spec"]["initContainers"][0]
+    assert [e["name"] for e in sidecar["env"]] == ["NODE_NAME"]
+
+
+def test_the_ca_bundle_configmap_is_mounted_read_only_into_the_sidecar_only() -> None:
+    pod = injected(spec=bucket_spec())
+    assert {"name": "stowaway-bucket-ca", "configMap": {"name": "s3-ca", "items": [{"key": "ca.crt",
+            "path": "ca.pem"}]}} in pod["spec"]["volumes"]
+    sidecar = pod["spec"]["initContainers"][0]
+    assert {"name": "stowaway-bucket-ca", "mountPath": "/etc/stowaway/bucket-ca", "readOnly": True} in \
+        sidecar["volumeMounts"]
+    trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "trainer")
+    assert "stowaway-bucket-ca" not in [m["name"] for m in trainer["volumeMounts"]]
+
+
+def test_the_injected_bucket_command_is_one_the_sidecar_accepts() -> None:
+    from stowaway.cli import build_parser
+    from stowaway.sidecar.config import SidecarConfig
+
+    command = injected(spec=bucket_spec())["spec"]["initContainers"][0]["command"]
+    args = build_parser().parse_args(command[1:])
+    config = SidecarConfig(**{s.name: getattr(args, s.name) for s in injection.sidecar_settings.ALL
+                              if getattr(args, s.name) is not None and s.name != "allowed_uids"})
+    assert (config.bucket, config.bucket_keep_last, config.bucket_keep_every) == ("s3://ckpts/team-a", 2, 1000)

@@ -170,7 +170,19 @@ OUT_OF_RANGE = [
      "got 0.0"),
     ({"commit_timeout": 0.0}, "--commit-timeout must be a positive number of seconds, got 0.0"),
     ({"grace_period": -1.0}, "--grace-period must be 0 or more seconds, got -1.0"),
+    ({"bucket_keep_last": 0}, "--bucket-keep-last must be at least 1, got 0"),
+    ({"bucket_keep_every": -5}, "--bucket-keep-every must be 0 (off) or positive, got -5"),
+    ({"upload_concurrency": 0}, "--upload-concurrency must be at least 1, got 0"),
+    ({"upload_part_bytes": 2**20}, "--upload-part-size must be between 5 MiB and 5 GiB (S3's part limits), "
+     "got 1048576"),
+    ({"upload_retry_timeout": 0.0}, "--upload-retry-timeout must be a positive number of seconds, got 0.0"),
+    ({"upload_retry_interval": -1.0}, "--upload-retry-interval must be a positive number of seconds, got -1.0"),
 ]
+
+
+def test_a_malformed_bucket_url_is_refused_at_startup() -> None:
+    with pytest.raises(ValueError, match="write s3://BUCKET or s3://BUCKET/PREFIX"):
+        SidecarConfig(storage=Path("/s"), socket_path=Path("/s.sock"), shm_dir=Path("/m"), bucket="gs://b")
 
 
 @pytest.mark.parametrize(("overrides", "message"), OUT_OF_RANGE)

@@ -17,6 +17,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from stowaway import sidecar_settings
+from stowaway.operator import bucket_tier
 
 INJECT_LABEL = "stowaway.dev/inject"
 INJECT_ENABLED = "enabled"
@@ -43,7 +44,7 @@ METRICS_PORT_NAME = "ckpt-metrics"
 SHM_VOLUME = "stowaway-shm"
 SOCKET_VOLUME = "stowaway-socket"
 STORAGE_VOLUME = "stowaway-storage"
-OUR_VOLUMES = (SHM_VOLUME, SOCKET_VOLUME, STORAGE_VOLUME)
+OUR_VOLUMES = (SHM_VOLUME, SOCKET_VOLUME, STORAGE_VOLUME, bucket_tier.CA_VOLUME)
 
 # Volumes are mounted at SHM_PATH and SOCKET_DIR; kubelet makes an emptyDir's root world-writable, so the
 # sidecar keeps its slots and socket in subdirectories it creates private to the pod's fsGroup.
@@ -419,6 +420,7 @@ def _volumes(spec: Mapping[str, Any], shm_limit: str | None) -> list[dict[str, A
         {"name": SHM_VOLUME, "emptyDir": shm},
         {"name": SOCKET_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
         {"name": STORAGE_VOLUME, "persistentVolumeClaim": {"claimName": claim["claimName"]}},
+        *bucket_tier.volumes(spec),
     ]
 
 
@@ -441,7 +443,7 @@ def _sidecar_command(pod_spec: Mapping[str, Any], spec: Mapping[str, Any]) -> li
         command += setting.command_line(setting.policy_value(spec))
     for uid in _trainer_uids(pod_spec):
         command += sidecar_settings.ALLOWED_UIDS.command_line(uid)
-    return command
+    return command + bucket_tier.command_line(spec)
 
 
 def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
@@ -454,13 +456,15 @@ def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image
         "name": SIDECAR_NAME,
         "image": sidecar_spec.get("image") or default_image,
         "command": _sidecar_command(pod_spec, spec),
-        "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}}],
+        "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}},
+                *bucket_tier.env(spec)],
         "ports": [{"name": METRICS_PORT_NAME, "containerPort": metrics_port, "protocol": "TCP"}],
         "resources": copy.deepcopy(sidecar_spec.get("resources") or {}),
         "volumeMounts": [
             {"name": SHM_VOLUME, "mountPath": SHM_PATH},
             {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR},
             storage_mount,
+            *bucket_tier.mounts(spec),
         ],
         "startupProbe": copy.deepcopy(STARTUP_PROBE),
         "securityContext": copy.deepcopy(SIDECAR_SECURITY),

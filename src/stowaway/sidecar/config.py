@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stowaway import sidecar_settings
+from stowaway.storage import bucket
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,18 @@ class SidecarConfig:
     direct_io: bool = sidecar_settings.DIRECT_IO.default
     # Exported for the alerts, which cannot know each job's save interval: how old a commit may grow.
     stale_after: float = sidecar_settings.STALE_AFTER.default
+    # The bucket tier, off unless ``bucket`` is set (``sidecar.bucket_tier``); "" means not set.
+    bucket: str = sidecar_settings.BUCKET.default
+    bucket_endpoint: str = sidecar_settings.BUCKET_ENDPOINT.default
+    bucket_region: str = sidecar_settings.BUCKET_REGION.default
+    bucket_ca_bundle: str = sidecar_settings.BUCKET_CA_BUNDLE.default
+    bucket_virtual_hosted: bool = False
+    bucket_keep_last: int = sidecar_settings.BUCKET_KEEP_LAST.default
+    bucket_keep_every: int = sidecar_settings.BUCKET_KEEP_EVERY.default
+    upload_concurrency: int = sidecar_settings.UPLOAD_CONCURRENCY.default
+    upload_part_bytes: int = sidecar_settings.UPLOAD_PART_SIZE.default
+    upload_retry_timeout: float = sidecar_settings.UPLOAD_RETRY_TIMEOUT.default
+    upload_retry_interval: float = sidecar_settings.UPLOAD_RETRY_INTERVAL.default
 
     def __post_init__(self) -> None:
         if len(os.fsencode(self.socket_path)) >= 108:
@@ -40,5 +53,8 @@ class SidecarConfig:
                 f"socket path {self.socket_path} is {len(os.fsencode(self.socket_path))} bytes; "
                 "Unix sockets need a path shorter than 108 bytes: choose a shorter --socket"
             )
+        if self.bucket:
+            # Refuse a malformed URL at startup, not at the first upload (imports nothing heavy).
+            bucket.Location.parse(self.bucket)
         for setting in sidecar_settings.CHECKED:
             setting.check(getattr(self, setting.name))

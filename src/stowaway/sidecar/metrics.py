@@ -18,6 +18,7 @@ quantiles could not be added up across pods.
 from __future__ import annotations
 
 import logging
+import threading
 import typing
 from collections.abc import Callable, Iterator
 
@@ -165,3 +166,71 @@ class _LiveGauges(Collector):
             "Unix time since which ranks have been connected without a break; 0 while none is.",
             value=self._connected_since() or 0,
         )
+
+
+# Why an upload to (or a restore from) the bucket tier failed: ``storage.bucket.KINDS`` and the claim's side.
+BUCKET_FAILURE_REASONS = (
+    "bucket_denied", "bucket_missing", "bucket_unreachable", "bucket_io", "source_changed", "claim_io",
+    "restore_corrupt",
+)
+# The storage tiers a step can be committed in, below shared memory.
+TIERS = ("claim", "bucket")
+
+
+class BucketMetrics:
+    """The bucket tier's series (``sidecar.bucket_tier``), in the sidecar's registry; created only with a bucket.
+
+    Upload throughput is ``rate(stowaway_bucket_uploaded_bytes_total)`` over
+    ``rate(stowaway_bucket_upload_duration_seconds_sum)``, as for persists.
+    How far the bucket lags is ``stowaway_tier_newest_step{tier="claim"}``
+    minus ``{tier="bucket"}``.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.uploaded_bytes = Counter(
+            "stowaway_bucket_uploaded_bytes", "Bytes of rank files uploaded to the bucket tier (parts sent).",
+            registry=r,
+        )
+        self.upload_duration = Histogram(
+            "stowaway_bucket_upload_duration_seconds",
+            "Time to upload one committed step to the bucket, from its first part to its manifest.",
+            buckets=BUCKETS, registry=r,
+        )
+        self.uploads = Counter("stowaway_bucket_uploads", "Steps committed in the bucket by this sidecar.",
+                               registry=r)
+        self.failures = Counter(
+            "stowaway_bucket_failures", "Failed uploads to and restores from the bucket tier, by reason.",
+            ["reason"], registry=r,
+        )
+        for reason in BUCKET_FAILURE_REASONS:
+            self.failures.labels(reason)
+        self.downloaded_bytes = Counter(
+            "stowaway_bucket_downloaded_bytes",
+            "Bytes copied from the bucket to the claim to restore a job whose claim held no checkpoint.",
+            registry=r,
+        )
+        self.newest_step = Gauge(
+            "stowaway_tier_newest_step", "Newest step this sidecar knows committed in each storage tier; -1 if none.",
+            ["tier"], registry=r,
+        )
+        self.last_upload_timestamp = Gauge(
+            "stowaway_bucket_last_upload_timestamp_seconds",
+            "Unix time this sidecar last committed a step in the bucket; 0 before the first.", registry=r,
+        )
+        self._newest = dict.fromkeys(TIERS, -1)
+        self._lock = threading.Lock()
+        for tier in TIERS:
+            self.newest_step.labels(tier).set(-1)
+
+    def upload_failed(self, reason: str) -> None:
+        if reason not in BUCKET_FAILURE_REASONS:
+            log.warning("bucket failure reason %r is not a known metric label; counted as bucket_io", reason)
+            reason = "bucket_io"
+        self.failures.labels(reason).inc()
+
+    def newest(self, tier: str, step: int) -> None:
+        """Raise the tier's newest step to ``step`` (it never goes back: retention only drops older steps)."""
+        with self._lock:
+            self._newest[tier] = max(self._newest[tier], step)
+            self.newest_step.labels(tier).set(self._newest[tier])

@@ -17,10 +17,11 @@ import socket
 import stat
 from pathlib import Path
 
-from stowaway.sidecar import peers
+from stowaway.sidecar import bucket_tier, peers
 from stowaway.sidecar.commit import Committer
 from stowaway.sidecar.config import SidecarConfig
 from stowaway.sidecar.endpoints import Endpoints
+from stowaway.sidecar.metrics import BucketMetrics
 from stowaway.sidecar.pipeline import SavePipeline
 from stowaway.sidecar.ranks import Registry
 from stowaway.sidecar.session import Session
@@ -41,7 +42,13 @@ class Sidecar:
         self.registry = Registry()
         self.stats.watch(self.registry.connected, self.registry.in_flight, self.registry.connected_since)
         self.stats.stale_after(config.stale_after)
-        self.committer = Committer(config, self.registry, self.stats)
+        # The bucket tier, when one is configured; without one, obstore is never imported.
+        self.bucket_tier = (
+            bucket_tier.BucketTier(config, BucketMetrics(self.stats.metrics.registry))
+            if config.bucket else None
+        )
+        self.committer = Committer(config, self.registry, self.stats,
+                                   on_commit=self.bucket_tier.committed if self.bucket_tier else None)
         self.pipeline: SavePipeline
         self._stop = asyncio.Event()
         self._sessions: set[asyncio.Task[None]] = set()
@@ -65,9 +72,12 @@ class Sidecar:
         endpoints = await self._start_endpoints()
         try:
             self._server = server = await self._listen()
+            if self.bucket_tier is not None:
+                self.bucket_tier.start()
             log.info(
-                "sidecar ready: socket %s, shared memory %s, storage %s, node %s",
-                self.config.socket_path, self.config.shm_dir, self.config.storage, self.config.node,
+                "sidecar ready: socket %s, shared memory %s, storage %s%s, node %s",
+                self.config.socket_path, self.config.shm_dir, self.config.storage,
+                f" then {self.bucket_tier.location}" if self.bucket_tier else "", self.config.node,
             )
             try:
                 await self._stop.wait()
@@ -177,6 +187,11 @@ class Sidecar:
                 "Raise --grace-period (and the pod's terminationGracePeriodSeconds) if storage is this slow",
                 grace, self.registry.in_flight(), len(unfinished),
             )
+        if self.bucket_tier is not None and not await self.bucket_tier.stop(max(1.0, deadline - loop.time())):
+            # Harmless: the step has no manifest in the bucket, and the next start uploads it again.
+            self.abandoned_work = True
+            log.warning("an upload to %s was still sending a part when the grace period ended; abandoned",
+                        self.bucket_tier.location)
         for task in list(self._sessions):
             task.cancel()
         with contextlib.suppress(FileNotFoundError):

@@ -170,6 +170,8 @@ class Session:
     async def _query(self, message: messages.Query) -> None:
         state, committer = self._rank(), self._sidecar.committer
         await committer.settled(state.job)
+        if self._sidecar.bucket_tier is not None:
+            await self._sidecar.bucket_tier.fill_claim(state.job)
         self.send(await asyncio.to_thread(restore.inventory, committer.job_path(state.job), state))
 
     @_HANDLERS.on(messages.Open)

@@ -149,22 +149,23 @@ def write_manifest(step_path: Path, manifest: Manifest) -> None:
 
 
 def read_manifest(step_path: Path) -> Manifest:
-    return parse_manifest(step_path / layout.MANIFEST, _load(step_path / layout.MANIFEST))
+    path = step_path / layout.MANIFEST
+    return manifest_from_bytes(path, _load(path))
 
 
-def manifest_from_bytes(where: Path, data: bytes) -> Manifest:
-    """A manifest read by whoever holds its bytes but not its path (a rank, through a descriptor the sidecar
-    passed it); ``where`` names it in errors."""
+def manifest_from_bytes(where: Path | str, data: bytes) -> Manifest:
+    """A manifest read by whoever holds its bytes but not its path: a rank, through a descriptor the sidecar
+    passed it, or a bucket's object; ``where`` names it in errors."""
     try:
         raw = json.loads(data)
     except ValueError as exc:
         raise ManifestError(f"cannot read {where}: {exc}") from exc
     if not isinstance(raw, dict):
         raise ManifestError(f"{where} does not hold a JSON object")
-    return parse_manifest(where, raw)
+    return _checked(raw, where)
 
 
-def parse_manifest(path: Path, raw: dict[str, Any]) -> Manifest:
+def _checked(raw: dict[str, Any], path: Path | str) -> Manifest:
     if raw.get("format") != FORMAT:
         raise ManifestError(f"{path} is not a Stowaway manifest (format {raw.get('format')!r})")
     if raw.get("format_version") not in READABLE_VERSIONS:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from stowaway.protocol import messages
@@ -27,8 +28,10 @@ log = logging.getLogger(__name__)
 
 class Committer:
     def __init__(self, config: SidecarConfig, registry: Registry, stats: Stats,
-                 clock: timing.Clock | None = None) -> None:
+                 clock: timing.Clock | None = None, on_commit: Callable[[str, int], None] | None = None) -> None:
         self._config = config
+        # Told of each step this node committed (it hosts global rank 0): the next tier's cue.
+        self._on_commit = on_commit
         self._registry = registry
         self._stats = stats
         self._clock = clock if clock is not None else timing.SystemClock()
@@ -161,6 +164,8 @@ class Committer:
             if missing is None:
                 self._finish(pending)
                 if coordinator:
+                    if self._on_commit is not None:
+                        self._on_commit(pending.job, pending.step)
                     await self._apply_retention(pending)
                 return
             if self._clock.monotonic() >= deadline:

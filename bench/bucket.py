@@ -1,0 +1,119 @@
+"""``python -m bench.bucket``: the bucket tier's upload and restore against the same client used plainly, in one run.
+
+For each size, the same file is moved four ways, ``--reps`` times each:
+
+- ``upload``: the tier's upload of a committed rank file
+  (``Bucket.upload_file``: streamed multipart, hashed while sent, checked
+  against the manifest before the last part);
+- ``reference_upload``: obstore's ``put`` of the same file as its docs show
+  it (a path, multipart with its default part size and concurrency);
+- ``restore``: the tier's copy of the object onto a claim
+  (``Bucket.download_file``: streamed, hashed, fdatasync'ed, renamed);
+- ``reference_download``: obstore's ``get`` streamed into a file, then
+  fdatasync'ed, without a checksum.
+
+The ratios (ours over the reference) are what to read: the same machine,
+server and client in the same process. The bucket is reached as the sidecar
+reaches it (``AWS_ENDPOINT_URL``, the credentials, ...); its objects are
+deleted afterwards. Prints a table; ``--out`` also writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import obstore
+
+from stowaway.storage import bucket, checksum, manifest
+
+UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_size(text: str) -> int:
+    unit = UNITS.get(text[-1].upper())
+    return int(float(text[:-1]) * unit) if unit else int(text)
+
+
+def _timed(action: Callable[[], None], reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def _download_plainly(store: Any, key: str, path: Path) -> None:
+    with path.open("wb", buffering=0) as handle:
+        for chunk in obstore.get(store, key).stream():
+            handle.write(chunk)
+        os.fdatasync(handle.fileno())
+
+
+def measure(url: str, nbytes: int, reps: int, scratch: Path) -> dict[str, Any]:
+    """Seconds of each way for ``nbytes``, ``reps`` times, and the ratios of ours to the references."""
+    target = bucket.Bucket(bucket.Location.parse(url), bucket.Settings())
+    store = bucket.open_store(target.location, target.settings)
+    source = scratch / "rank.safetensors"
+    with source.open("wb") as handle:
+        for _ in range(0, nbytes, 64 * 2**20):
+            handle.write(os.urandom(min(64 * 2**20, nbytes - handle.tell())))
+    entry = manifest.FileEntry(0, source.name, nbytes, checksum.of_file(source))
+    ours, theirs = target.location.key("bench", "ours"), target.location.key("bench", "reference")
+    stop = threading.Event()
+    seconds = {
+        "upload": _timed(lambda: target.upload_file(ours, source, entry, stop, lambda _n: None), reps),
+        "reference_upload": _timed(lambda: obstore.put(store, theirs, source), reps),
+        "restore": _timed(lambda: target.download_file(ours, scratch / "restored", entry, lambda _n: None), reps),
+        "reference_download": _timed(lambda: _download_plainly(store, theirs, scratch / "downloaded"), reps),
+    }
+    target.delete([ours, theirs])
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    return {
+        "bytes": nbytes, "seconds": seconds,
+        "mb_per_s": {name: nbytes / value / 1e6 for name, value in medians.items()},
+        "ratios": {"upload_vs_reference": medians["upload"] / medians["reference_upload"],
+                   "restore_vs_reference": medians["restore"] / medians["reference_download"]},
+    }
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = ["| size | upload MB/s | reference upload MB/s | ratio | restore MB/s | reference download MB/s | ratio |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for result in results:
+        speed, ratio = result["mb_per_s"], result["ratios"]
+        rows.append(f"| {result['bytes'] / 2**20:.0f} MiB | {speed['upload']:.0f} | {speed['reference_upload']:.0f} | "
+                    f"{ratio['upload_vs_reference']:.2f} | {speed['restore']:.0f} | "
+                    f"{speed['reference_download']:.0f} | {ratio['restore_vs_reference']:.2f} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.bucket", description=__doc__.splitlines()[0])
+    parser.add_argument("--bucket", required=True, help="s3://BUCKET/PREFIX to write the objects under")
+    parser.add_argument("--sizes", default="64M,256M", help="file sizes, comma-separated")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of each measurement")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="bench-bucket-", dir="/var/tmp"))
+    try:
+        results = [measure(args.bucket, parse_size(size), args.reps, scratch) for size in args.sizes.split(",")]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"bucket": args.bucket, "results": results}, indent=1) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""``stowaway ls``, ``verify`` and ``inspect`` on ``s3://`` URLs: the same output as on a directory.
+
+The bucket is reached as the sidecar reaches it: ``AWS_ENDPOINT_URL``,
+``AWS_REGION``, ``AWS_CA_BUNDLE`` and the credentials from the environment.
+``inspect`` reads each rank's header with two range reads; ``verify``
+streams each object through the checksum.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from stowaway.cli import catalog_cmds
+from stowaway.cli.errors import CommandError
+from stowaway.storage import bucket, bucket_jobs, manifest
+
+
+def _jobs(url: str) -> list[bucket_jobs.BucketJob]:
+    try:
+        return bucket_jobs.jobs_at(url)
+    except (ValueError, bucket.BucketError) as exc:
+        raise CommandError(str(exc)) from None
+
+
+def _single(url: str) -> bucket_jobs.BucketJob:
+    jobs = _jobs(url)
+    if len(jobs) != 1:
+        names = ", ".join(job.job for job in jobs) or "none"
+        raise CommandError(f"{url} holds {len(jobs)} jobs ({names}); pass one job's URL, e.g. {url}/<job>")
+    return jobs[0]
+
+
+def run_ls(url: str) -> int:
+    jobs = _jobs(url)
+    if not jobs:
+        print(f"no checkpoints under {url}")
+    for job in jobs:
+        print(f"job {job.job} ({job.url})")
+        steps = job.committed_steps()
+        if not steps:
+            print("  (no committed checkpoint)")
+        else:
+            print(f"  {'STEP':>10}  {'RANKS':>5}  {'BYTES':>12}  AGE")
+        for step in steps:
+            try:
+                catalog_cmds.print_row(step, job.read_manifest(step), sys.stdout)
+            except (manifest.ManifestError, bucket.BucketError) as exc:
+                print(f"  {step:>10}  unreadable manifest: {exc}")
+    return 0
+
+
+def run_verify(url: str, only: int | None) -> int:
+    job = _single(url)
+    committed = job.committed_steps()
+    steps = [only] if only is not None else committed
+    if not steps:
+        raise CommandError(f"{job.url} holds no committed checkpoint to verify")
+    bad = 0
+    for step in steps:
+        problems: list[str] = []
+        if step not in committed:
+            problems.append(f"{job.where(step, '')}: not committed (no manifest)")
+        else:
+            try:
+                found = job.read_manifest(step)
+            except (manifest.ManifestError, bucket.BucketError) as exc:
+                found, problems = None, [str(exc)]
+            for entry in found.files if found is not None else []:
+                problem = job.verify_file(step, entry)
+                if problem is not None:
+                    problems.append(f"{job.where(step, entry.name)}: {problem}")
+        for problem in problems:
+            print(f"step {step}: BAD {problem}")
+        if not problems:
+            print(f"step {step}: ok")
+        bad += len(problems)
+    if bad:
+        print(f"{bad} problem(s) found", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def run_inspect(url: str, step: int) -> int:
+    job = _single(url)
+    try:
+        found = job.read_manifest(step)
+    except (manifest.ManifestError, bucket.BucketError) as exc:
+        raise CommandError(f"step {step} is not a committed checkpoint: {exc}") from None
+    catalog_cmds.print_header(found)
+    for entry in found.files:
+        key = job.store.step_key(job.job, step, entry.name)
+        catalog_cmds.print_rank(entry, job.where(step, entry.name),
+                                lambda start, length: job.store.read_range(key, start, length))  # noqa: B023
+    return 0

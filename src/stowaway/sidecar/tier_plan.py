@@ -1,0 +1,54 @@
+"""What the bucket tier uploads and deletes: pure functions of the steps each tier holds.
+
+Rule of this module: no I/O, so that every choice is tested in milliseconds
+(``tests/unit/test_tier_plan.py``); ``bucket_tier`` lists, uploads and
+deletes accordingly.
+"""
+
+from __future__ import annotations
+
+
+def kept(committed: list[int], keep_last: int, keep_every: int) -> set[int]:
+    """The steps a tier's retention keeps: the last ``keep_last`` and every multiple of ``keep_every``.
+
+    ``keep_last`` is at least 1, so the newest committed step is always kept.
+    """
+    keep = set(sorted(committed)[-max(keep_last, 1):]) if committed else set()
+    if keep_every:
+        keep.update(step for step in committed if step % keep_every == 0)
+    return keep
+
+
+def to_upload(claim: list[int], bucket: list[int], keep_every: int) -> list[int]:
+    """Steps committed on the claim to upload now, oldest first.
+
+    Only steps newer than the bucket's newest: the newest of them, and
+    those the bucket's ``keep_every`` keeps. A bucket slower than the saves
+    thus skips intermediate steps instead of falling ever further behind,
+    and never re-uploads a step older than what it already holds.
+    """
+    newest = max(bucket, default=-1)
+    newer = sorted(step for step in claim if step > newest)
+    if not newer:
+        return []
+    chosen = {newer[-1]}
+    if keep_every:
+        chosen.update(step for step in newer if step % keep_every == 0)
+    return sorted(chosen)
+
+
+def to_delete(committed: list[int], keep_last: int, keep_every: int) -> list[int]:
+    """Committed steps retention drops, oldest first."""
+    keep = kept(committed, keep_last, keep_every)
+    return sorted(step for step in committed if step not in keep)
+
+
+def to_sweep(present: list[int], committed: list[int]) -> list[int]:
+    """Uncommitted steps (objects but no manifest) below the newest committed step: torn uploads.
+
+    One above it may still be uploading (on this or a restarted sidecar),
+    so it stays until a newer step commits.
+    """
+    newest = max(committed, default=-1)
+    done = set(committed)
+    return sorted(step for step in present if step < newest and step not in done)

@@ -1,0 +1,103 @@
+"""The bucket tier against a real S3 server (SeaweedFS): uploads behind the claim, its own retention, restores
+into an empty claim, and the tools on ``s3://`` URLs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from s3server import S3Server
+
+from data_path.processes import wait_for
+from data_path.rank_driver import pattern
+from stowaway import read_checkpoint
+from stowaway.storage import bucket, bucket_jobs, catalog, layout
+
+pytestmark = pytest.mark.s3
+
+
+def bucket_steps(server: S3Server, url: str) -> list[int]:
+    jobs = bucket_jobs.jobs_at(url, bucket.Settings(endpoint=server.endpoint))
+    return jobs[0].committed_steps() if jobs else []
+
+
+def stowaway(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stowaway", *args], capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+@pytest.fixture
+def bucket_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The trainer's credentials and the endpoint in the environment the sidecars and the CLI inherit."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+def test_committed_steps_reach_the_bucket_which_keeps_its_own_retention(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank, storage: Path) -> None:
+    url = f"s3://{s3_bucket}/ckpt"
+    sidecar = start_sidecar(extra=["--keep-last", "2", "--bucket", url, "--bucket-keep-last", "1",
+                                   "--bucket-keep-every", "4"])
+    rank = start_rank(sidecar)
+    for step in range(10):
+        rank.save(step)
+        assert rank.wait(step).get("committed"), f"step {step} was not committed"
+        # One step at a time, so that the claim's shorter retention cannot drop a step before its upload.
+        wait_for(lambda step=step: step in bucket_steps(bucket_env, f"{url}/job"), f"step {step} in the bucket")
+    rank.exit()
+    wait_for(lambda: bucket_steps(bucket_env, f"{url}/job") == [0, 4, 8, 9], "the bucket to keep 0, 4, 8 and 9")
+    wait_for(lambda: catalog.committed_steps(storage / "job") == [8, 9], "the claim to keep 8 and 9")
+
+    listed = stowaway("ls", url)
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split()[0] for line in listed.stdout.splitlines()[2:]] == ["0", "4", "8", "9"], listed.stdout
+    verified = stowaway("verify", f"{url}/job")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert verified.stdout.splitlines() == [f"step {step}: ok" for step in (0, 4, 8, 9)]
+    inspected = stowaway("inspect", f"{url}/job", "--step", "9")
+    assert inspected.returncode == 0, inspected.stderr
+    assert "job job step 9: 1 rank(s)" in inspected.stdout
+    assert "rank 0: rank-00000-of-00001.safetensors" in inspected.stdout
+
+
+def test_a_pod_whose_claim_is_empty_restores_from_the_bucket(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank, short_tmp: Path) -> None:
+    url = f"s3://{s3_bucket}/ckpt"
+    first = start_sidecar("a", extra=["--bucket", url], storage_dir=short_tmp / "claim-a")
+    rank = start_rank(first)
+    for step in (3, 7):
+        rank.save(step, numel=300_000)
+        assert rank.wait(step).get("committed")
+    rank.exit()
+    wait_for(lambda: bucket_steps(bucket_env, f"{url}/job") == [3, 7], "steps 3 and 7 in the bucket")
+    first.stop()
+
+    # A new cluster: another claim, empty, the same bucket.
+    second = start_sidecar("b", extra=["--bucket", url], storage_dir=short_tmp / "claim-b")
+    restored = start_rank(second)
+    loaded = restored.call(op="load")
+    assert loaded == {"step": 7, "intact": True, "numel": 300_000}
+    assert restored.last_restore()["source"] == "storage"
+    assert catalog.committed_steps(short_tmp / "claim-b" / "job") == [7]
+    assert (short_tmp / "claim-b" / "job" / layout.LATEST).read_text().strip() == "7"
+    restored.exit()
+
+
+def test_read_checkpoint_reads_a_step_from_the_bucket(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank) -> None:
+    url = f"s3://{s3_bucket}/ckpt"
+    sidecar = start_sidecar(extra=["--bucket", url])
+    ranks = [start_rank(sidecar, rank=rank, world_size=2) for rank in range(2)]
+    for rank in ranks:
+        rank.save(5, numel=1000)
+    assert all(rank.wait(5).get("committed") for rank in ranks)
+    for rank in ranks:
+        rank.exit()
+    wait_for(lambda: bucket_steps(bucket_env, f"{url}/job") == [5], "step 5 in the bucket", log=sidecar.log)
+
+    step, state = read_checkpoint(f"{url}/job", rank=1)
+    assert step == 5 and state["rank"] == 1 and state["step"] == 5
+    assert bool((state["w"] == pattern(1, 5)).all()) and state["w"].numel() == 1000
