@@ -150,7 +150,7 @@ def write_manifest(step_path: Path, manifest: Manifest) -> None:
 
 def read_manifest(step_path: Path) -> Manifest:
     path = step_path / layout.MANIFEST
-    return manifest_from_bytes(path, _load(path))
+    return _checked(_load(path), path)
 
 
 def manifest_from_bytes(where: Path | str, data: bytes) -> Manifest:
