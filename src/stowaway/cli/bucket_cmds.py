@@ -69,14 +69,8 @@ def run_verify(url: str, only: int | None) -> int:
                 problem = job.verify_file(step, entry)
                 if problem is not None:
                     problems.append(f"{job.where(step, entry.name)}: {problem}")
-        for problem in problems:
-            print(f"step {step}: BAD {problem}")
-        if not problems:
-            print(f"step {step}: ok")
-        bad += len(problems)
-    if bad:
-        print(f"{bad} problem(s) found", file=sys.stderr)
-    return 1 if bad else 0
+        bad += catalog_cmds.print_verdict(step, problems)
+    return catalog_cmds.verify_status(bad)
 
 
 def run_inspect(url: str, step: int) -> int:

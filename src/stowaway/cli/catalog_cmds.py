@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -108,11 +108,20 @@ def run_verify(args: argparse.Namespace) -> int:
             problems = catalog.verify_step(job, step)
         else:
             problems = [catalog.Problem(step_path, "not committed (no manifest)")]
-        for problem in problems:
-            print(f"step {step}: BAD {problem}")
-        if not problems:
-            print(f"step {step}: ok")
-        bad += len(problems)
+        bad += print_verdict(step, problems)
+    return verify_status(bad)
+
+
+def print_verdict(step: int, problems: Sequence[object]) -> int:
+    """One line per problem of ``step``, or one saying it is fine; how many problems there were."""
+    for problem in problems:
+        print(f"step {step}: BAD {problem}")
+    if not problems:
+        print(f"step {step}: ok")
+    return len(problems)
+
+
+def verify_status(bad: int) -> int:
     if bad:
         print(f"{bad} problem(s) found", file=sys.stderr)
     return 1 if bad else 0
