@@ -12,7 +12,10 @@ starts a sidecar of its own and measures, in this one process,
   allocated in the background (each after the previous commit, so none
   needs a spare), against steady saves once they are allocated;
 - restores from memory into new tensors, each paired with the copy-out
-  reference on a fresh heap.
+  reference on a fresh heap;
+- restores from storage into new tensors (the step no longer in the slot,
+  and in a new pod, with no slot at all), each paired with ``torch.load`` of
+  the same state, both with the files dropped from the page cache.
 
 Medians and ratios of medians are printed; the full harness (``python -m
 bench``) stays the place for recorded results.
@@ -36,7 +39,7 @@ from typing import Any
 
 import torch
 
-from bench import first_touch, references, state, system
+from bench import first_touch, references, state, system, worker
 from stowaway import Checkpointer
 from stowaway.cli import run_cmd
 from stowaway.client.ledger import SlotState
@@ -45,17 +48,19 @@ Results = dict[str, list[float]]
 
 
 @contextmanager
-def sidecar() -> Iterator[Path]:
-    """A sidecar of its own, with its own shared memory and storage; yields its socket."""
+def sidecar(storage: Path | None = None) -> Iterator[tuple[Path, Path]]:
+    """A sidecar of its own, with its own shared memory and storage (or ``storage``); yields its socket and
+    its storage."""
     dirs = [Path(tempfile.mkdtemp(prefix="stwa-", dir=parent)) for parent in ("/tmp", "/dev/shm", "/var/tmp")]
     socket_path = dirs[0] / "s.sock"
     process = subprocess.Popen(
-        [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(dirs[2]), "--socket", str(socket_path),
-         "--shm-dir", str(dirs[1]), "--keep-last", "3", "--log-level", "WARNING"], start_new_session=True,
+        [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(storage or dirs[2]), "--socket",
+         str(socket_path), "--shm-dir", str(dirs[1]), "--keep-last", "3", "--log-level", "WARNING"],
+        start_new_session=True,
     )
     try:
         run_cmd.wait_for_socket(process, socket_path)
-        yield socket_path
+        yield socket_path, storage or dirs[2]
     finally:
         run_cmd.stop_sidecar(process, 60)
         for directory in dirs:
@@ -117,6 +122,43 @@ def measure_restores(results: Results, training: dict[str, Any], socket_path: Pa
         buffer.close()
 
 
+def measure_storage_restores(results: Results, training: dict[str, Any], socket_path: Path, storage: Path,
+                             job: str, reps: int) -> None:
+    """Restores from storage into new tensors, each paired with ``torch.load`` of the same state, cold cache.
+
+    Two kinds, as the harness measures the first: a checkpointer whose one slot holds a newer step (saved
+    before each load, which reads the step before), and a new pod's (a sidecar of its own on the same
+    storage, with empty shared memory).
+    """
+    reference = storage / "torch-save.pt"
+    torch.save(training, reference)
+
+    def dropped_from_cache() -> None:
+        for path in storage.rglob("*"):
+            if path.is_file():
+                worker.sync_and_drop(path)
+
+    with Checkpointer(job=f"{job}-storage", socket=socket_path, rank=0, world_size=1, slots=1,
+                      timeout=600) as ckpt:
+        ckpt.save(0, training).wait()
+        for rep in range(reps):
+            ckpt.save(1 + rep, training).wait()
+            dropped_from_cache()
+            timed(results, "restore.storage", lambda rep=rep: ckpt.load(step=rep))
+            assert ckpt.last_restore is not None and ckpt.last_restore.source == "storage", ckpt.last_restore
+            dropped_from_cache()
+            timed(results, "reference.torch_load", lambda: torch.load(reference, weights_only=True))
+    for _ in range(reps):
+        with sidecar(storage) as (new_socket, _), Checkpointer(job=f"{job}-storage", socket=new_socket, rank=0,
+                                                                world_size=1, slots=1, timeout=600) as fresh:
+            dropped_from_cache()
+            timed(results, "restore.storage_new_pod", fresh.load)
+            assert fresh.last_restore is not None and fresh.last_restore.source == "storage", fresh.last_restore
+        dropped_from_cache()
+        timed(results, "reference.torch_load", lambda: torch.load(reference, weights_only=True))
+    reference.unlink()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.allocation", description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024, help="state size in MiB")
@@ -125,10 +167,11 @@ def main() -> None:
     training = state.build(args.mib * 2**20, seed=0)
     results: Results = {}
     for rep in range(args.reps):
-        with sidecar() as socket_path:
+        with sidecar() as (socket_path, _):
             measure_slots(results, training, socket_path, f"alloc{rep}")
-    with sidecar() as socket_path:
+    with sidecar() as (socket_path, storage):
         measure_restores(results, training, socket_path, "alloc", args.reps)
+        measure_storage_restores(results, training, socket_path, storage, "alloc", args.reps)
     medians = {name: statistics.median(values) for name, values in results.items()}
     for name, values in results.items():
         print(f"{name:34s} median {medians[name] * 1e3:8.1f} ms  ({', '.join(f'{v * 1e3:.0f}' for v in values)})")
@@ -137,7 +180,10 @@ def main() -> None:
               ("reserve(wait=True), no slot yet / first touch", "reserve.no_slot_yet", "reference.first_touch"),
               ("cold first save / first touch", "save.first", "reference.first_touch"),
               ("save while spares allocate / steady save", "save.while_spares_allocate", "save.steady"),
-              ("restore from memory / copy-out", "restore.memory", "reference.copy_out_fresh")]
+              ("restore from memory / copy-out", "restore.memory", "reference.copy_out_fresh"),
+              ("restore from storage / torch.load, cold cache", "restore.storage", "reference.torch_load"),
+              ("restore from storage in a new pod / torch.load, cold cache", "restore.storage_new_pod",
+               "reference.torch_load")]
     for label, numerator, denominator in ratios:
         if numerator in medians:
             print(f"{label}: {medians[numerator] / medians[denominator]:.2f}")

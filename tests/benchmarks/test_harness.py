@@ -98,7 +98,8 @@ def test_the_allocation_probe_measures_reserve_spares_and_restores_against_their
     assert finished.returncode == 0, finished.stderr
     measured = {line.split()[0] for line in finished.stdout.splitlines() if " median " in line}
     assert {"reference.first_touch", "save.first", "reserve.first_slot_left_before", "reserve.no_slot_yet",
-            "save.steady", "restore.memory", "reference.copy_out_fresh"} <= measured
+            "save.steady", "restore.memory", "reference.copy_out_fresh", "restore.storage", "restore.storage_new_pod",
+            "reference.torch_load"} <= measured
     for label in ("reserve(wait=True), first slot left before / first touch", "cold first save / first touch",
-                  "restore from memory / copy-out"):
+                  "restore from memory / copy-out", "restore from storage / torch.load, cold cache"):
         assert f"{label}: " in finished.stdout

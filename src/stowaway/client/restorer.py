@@ -3,9 +3,11 @@
 In order: ask the sidecar which committed steps exist and which a slot of
 this rank still holds intact (``inventory``); agree with the other ranks on
 the candidates (``agreement``); then try the candidates newest first, each
-from memory if a slot holds it, else staged from storage into a slot by the
-sidecar, or, for a step saved by another number of ranks, resharded from
-ranges of the stored files (``resharder``); and fall back to the next older
+from memory if a slot holds it, else from storage: read by the rank from its
+own stored file through a descriptor the sidecar passes (``file_restore``),
+or staged into a slot by the sidecar where the state goes onto a GPU, or, for
+a step saved by another number of ranks, resharded from ranges of the stored
+files (``resharder``); and fall back to the next older
 one, on every rank alike, when any rank fails to restore it. A step that
 cannot be resharded at all is refused on every rank (``WorldSizeChanged``).
 Once a step is restored, keep where it came from and how long ``load()``
@@ -21,11 +23,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from stowaway.client import agreement, env, resharder
+from stowaway.client import agreement, env, file_restore, resharder
 from stowaway.client.link import Link
 from stowaway.client.pool import ClientSlot
 from stowaway.client.rank_slots import RankSlots
 from stowaway.errors import (
+    CheckpointCorrupt,
     ConfigurationError,
     SaveFailed,
     SidecarUnavailable,
@@ -46,8 +49,8 @@ class Restore:
     """What a ``load()`` restored: the step, where this rank read it from, and how long the whole call took.
 
     ``source`` is ``"memory"`` when a slot still held the step (a trainer
-    restarted next to its sidecar), ``"storage"`` when the sidecar staged it
-    from storage (a new pod, or a step no slot held any more): the two differ
+    restarted next to its sidecar), ``"storage"`` when it came from storage
+    (a new pod, or a step no slot held any more): the two differ
     in speed by orders of magnitude, and ``load()``'s own return value
     cannot say which without breaking every caller that unpacks it.
     """
@@ -57,7 +60,8 @@ class Restore:
     seconds: float
     # Saved by this many ranks; another number than the job's means it was resharded.
     saved_by: int = 0
-    # Bytes this rank read from storage itself (a resharded restore); 0 where the sidecar staged the step.
+    # Bytes this rank read from storage itself (its own file, or ranges when resharded); 0 where the sidecar staged
+    # the step.
     bytes_read: int = 0
 
 
@@ -117,7 +121,7 @@ class Restorer:
                 else:
                     # Also when the slot held it at the inventory but a newer candidate was staged into it since.
                     source = "storage"
-                    state = self._from_storage(candidate, sizes[candidate], map_location, meshes, into)
+                    state, bytes_read = self._from_storage(candidate, sizes[candidate], map_location, meshes, into)
             except WorldSizeChanged as exc:
                 refused = (True, str(exc))
             except UnsupportedState as exc:
@@ -164,7 +168,20 @@ class Restorer:
             log.warning("rank %d could not report its restore of step %d to the sidecar, so the sidecar's log "
                         "and stowaway_restores_total miss it: %s", self._rank, restore.step, self._link.last_error)
 
-    def _from_storage(self, step: int, nbytes: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> Any:
+    def _from_storage(self, step: int, nbytes: int, map_location: Any, meshes: tuple[Any, ...],
+                      into: Any) -> tuple[Any, int]:
+        """Read this rank's stored file where every destination is on the CPU, else (and where that read finds
+        the file corrupt or cannot read it) have the sidecar stage it into a slot and restore from the slot."""
+        if file_restore.suits(map_location, into):
+            try:
+                return file_restore.load(self._link, self._job, self._rank, step, self._allow_pickle, meshes, into)
+            except (CheckpointCorrupt, SaveFailed, OSError, HeaderError) as exc:
+                # The sidecar checks it again, and counts and sets aside a corrupt step.
+                log.warning("rank %d could not read step %d from storage itself (%s); the sidecar stages it",
+                            self._rank, step, exc)
+        return self._staged(step, nbytes, map_location, meshes, into), 0
+
+    def _staged(self, step: int, nbytes: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> Any:
         """Have the sidecar stage the stored file into a slot, then restore from the slot."""
         with self._slots.taken(step) as slot:
             self._slots.fit(slot, nbytes)

@@ -1,12 +1,13 @@
 """Serving ``load()``: what a rank can restore, staging a stored file into its slot, and opening stored files.
 
 The storage volume is mounted only into the sidecar, so a rank restoring from
-storage hands a slot to the sidecar, which reads the file into it while
-checking the manifest's checksum; the rank then restores from memory as usual.
-A rank that reshards a step saved by another number of ranks needs byte
-ranges of several ranks' files instead: the sidecar opens them read-only and
-passes the descriptors (``open_step``), and the rank reads and checks the
-ranges itself.
+storage onto the CPU has the sidecar open its file read-only and pass the
+descriptor (``open_step``), and reads and checks the file itself; a rank
+that reshards a step saved by another number of ranks does the same with
+byte ranges of several ranks' files. A rank restoring onto a GPU, or one that
+found its file corrupt, hands a slot to the sidecar instead, which reads the
+file into it while checking the manifest's checksum (``stage``), and sets a
+corrupt step aside; the rank then restores from memory as usual.
 """
 
 from __future__ import annotations
