@@ -63,6 +63,9 @@ CONTEXT = (
     ("committed / DCP save", "stowaway.committed.steady", (("dcp.save",),)),
     ("committed / DCP async_save completed", "stowaway.committed.steady", (("dcp.async_save_done",),)),
     ("restore from storage / torch.load", "stowaway.restore.storage", (("torch.load",),)),
+    # Issue 23 bounds it at 1.15: read from storage straight into the state's own tensors (CPU runs only).
+    ("restore from storage into the state / O_DIRECT read reference", "stowaway.restore.storage_into",
+     (("reference.read_direct",),)),
     ("restore from storage / DCP load", "stowaway.restore.storage", (("dcp.load",),)),
 )
 
@@ -111,6 +114,7 @@ ROWS = (
     ("stowaway.restore.memory_into.cpu", "Stowaway restore from shared memory into the state's own tensors, "
                                          "CPU time"),
     ("stowaway.restore.storage", "Stowaway restore from storage"),
+    ("stowaway.restore.storage_into", "Stowaway restore from storage into the state's own tensors"),
     ("reference.copy", "reference: copy_ into resident shared memory"),
     ("reference.copy.cpu", "reference: copy_ into resident shared memory, CPU time"),
     ("reference.copy_pinned", "reference: non-blocking copy_ into pinned shared memory (GPU)"),

@@ -146,6 +146,15 @@ def measure_stowaway_and_references(run: Run, training: dict[str, Any], extra: d
                 assert restored is not None and restored[0] == step
                 del restored
                 run.timed("reference.read_direct", lambda: references.read_file(buffer, target))
+            if run.device.type == "cpu":
+                # Straight into the state's own tensors. On a GPU this restore is staged through the slot, after
+                # which the slot holds the step and the next load of it would be from memory.
+                for step in range(run.reps):
+                    restored = run.timed("stowaway.restore.storage_into",
+                                         lambda step=step: ckpt.load(step=step, into=training))
+                    assert restored is not None and restored[0] == step
+                    assert ckpt.last_restore is not None and ckpt.last_restore.source == "storage"
+                    del restored
         # The reference buffer is resident throughout, so it adds exactly its size to the peak.
         extra["rank_peak_rss_bytes"] = run.slowest(system.status_bytes("self", "VmHWM") - buffer.nbytes)
     finally:

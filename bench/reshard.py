@@ -1,0 +1,188 @@
+"""``python -m bench.reshard``: restoring onto another number of ranks, against DCP and a plain read.
+
+A job of ``--saved`` ranks saves an FSDP2-like state (every tensor a
+``Shard(0)`` DTensor: parameters and two Adam moments, the sizes of
+``bench.state``) with Stowaway and with DCP, each under ``stowaway run``
+(a sidecar of its own, as a new pod has). Then, for each count in
+``--onto``, a job of that many ranks, next to a new sidecar on the same
+storage, restores it ``--reps`` times, each repetition with every file
+dropped from the page cache first:
+
+- Stowaway's ``load(device_mesh=...)`` into new tensors, and
+  ``load(into=...)`` into the state's own (resident) tensors;
+- DCP's ``load`` of the same state into the same tensors;
+- the reference: an ``O_DIRECT`` read, into a resident buffer in 16 MiB
+  requests, of as many bytes as the rank's Stowaway restore read, from the
+  stored files (whole files, the rank's number picking the first).
+
+Each time is the slowest rank's. Medians and ratios of medians are printed
+(issue 24's targets: into the state ≤ 1.3x the reference, and below DCP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import state as state_mod
+from bench import system, worker
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = "reshard"
+CHUNK_BYTES = 16 * 2**20
+
+
+def sharded_state(total: int, mesh: Any) -> dict[str, Any]:
+    """Parameters and two Adam moments, each a ``Shard(0)`` DTensor on ``mesh``, about ``total`` bytes."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import empty as dtensor_empty
+
+    def sharded(count: int) -> Any:
+        value = dtensor_empty(count, device_mesh=mesh, placements=[Shard(0)])
+        value.to_local().uniform_(-1, 1)
+        return value
+
+    counts = state_mod.parameter_sizes(total * 14 // 12)  # fp32 weight and moments: 12 bytes an element
+    return {"model": {f"layers.{index}.weight": sharded(count) for index, count in enumerate(counts)},
+            "optimizer": {f"layers.{index}.weight": {"exp_avg": sharded(count), "exp_avg_sq": sharded(count)}
+                          for index, count in enumerate(counts)}}
+
+
+def read_reference(files: list[Path], nbytes: int, first: int, buffer: mmap.mmap) -> None:
+    """Read ``nbytes`` of the stored files with ``O_DIRECT``, from the start of file ``first`` on, wrapping."""
+    left, index = nbytes, first % len(files)
+    while left > 0:
+        fd = os.open(files[index], os.O_RDONLY | os.O_DIRECT)
+        try:
+            offset = 0
+            while left > 0 and (count := os.preadv(fd, [memoryview(buffer)], offset)) > 0:
+                offset += count
+                left -= count
+        finally:
+            os.close(fd)
+        index = (index + 1) % len(files)
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from stowaway import Checkpointer
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    training = sharded_state(args.total, mesh)
+    storage, dcp_dir = Path(args.storage), Path(args.storage) / "dcp"
+    results: dict[str, list[float]] = {}
+
+    def timed(name: str, action: Callable[[], Any]) -> Any:
+        dist.barrier()
+        started = time.perf_counter()
+        value = action()
+        seconds = torch.tensor(time.perf_counter() - started, dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        results.setdefault(name, []).append(float(seconds))
+        return value
+
+    def dropped_from_cache() -> None:
+        if rank == 0:
+            for path in storage.rglob("*"):
+                if path.is_file():
+                    worker.sync_and_drop(path)
+        dist.barrier()
+
+    with Checkpointer(timeout=1800) as ckpt:
+        if args.worker == "save":
+            ckpt.save(1, training).wait()
+            dcp.save(training, checkpoint_id=dcp_dir)
+            dist.barrier()
+            dist.destroy_process_group()
+            return
+        files = sorted((storage / JOB).glob("step-*/rank-*.safetensors"))
+        buffer = mmap.mmap(-1, CHUNK_BYTES)
+        for _ in range(args.reps):
+            dropped_from_cache()
+            system.release_free_heap()
+            restored = timed("stowaway.load", lambda: ckpt.load(device_mesh=mesh))
+            assert restored is not None and restored[0] == 1, restored
+            del restored
+            restore = ckpt.last_restore
+            assert restore is not None and restore.saved_by == args.saved and restore.bytes_read > 0, restore
+            dropped_from_cache()
+            timed("stowaway.load_into", lambda: ckpt.load(into=training))
+            dropped_from_cache()
+            timed("reference.read_direct",
+                  lambda nbytes=restore.bytes_read: read_reference(files, nbytes, rank, buffer))
+            dropped_from_cache()
+            timed("dcp.load", lambda: dcp.load(training, checkpoint_id=dcp_dir))
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def job(storage: Path, ranks: int, mode: str, total: int, saved: int, reps: int, out: Path) -> None:
+    python_path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, PYTHONPATH=python_path, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)))
+    subprocess.run(
+        [sys.executable, "-m", "stowaway", "run", "--storage", str(storage), "--job", JOB, "--",
+         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+         "-m", "bench.reshard", "--worker", mode, "--total", str(total), "--saved", str(saved), "--reps", str(reps),
+         "--storage", str(storage), "--out", str(out)],
+        env=env, check=True, cwd=ROOT,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.reshard", description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="state size in MiB, across the saving ranks")
+    parser.add_argument("--saved", type=int, default=4, help="ranks of the job that saves")
+    parser.add_argument("--onto", default="2,6", help="rank counts of the jobs that restore, comma-separated")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--storage", type=Path, default=None, help="a directory on the disk to measure (emptied)")
+    parser.add_argument("--worker", choices=("save", "load"), help=argparse.SUPPRESS)
+    parser.add_argument("--total", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        run_worker(args)
+        return
+    storage = args.storage or Path(tempfile.mkdtemp(prefix="stwr-", dir="/var/tmp"))
+    workdir = Path(tempfile.mkdtemp(prefix="stwr-", dir="/tmp"))
+    total = args.mib * 2**20
+    try:
+        job(storage, args.saved, "save", total, args.saved, args.reps, workdir / "save.json")
+        for ranks in (int(count) for count in args.onto.split(",")):
+            out = workdir / f"onto-{ranks}.json"
+            job(storage, ranks, "load", total, args.saved, args.reps, out)
+            medians = {name: statistics.median(values) for name, values in json.loads(out.read_text()).items()}
+            print(f"{args.mib} MiB saved on {args.saved} ranks, restored on {ranks}:")
+            for name, value in medians.items():
+                print(f"  {name:22s} median {value * 1e3:8.1f} ms")
+            for label, numerator, denominator in (
+                    ("into the state / O_DIRECT read reference", "stowaway.load_into", "reference.read_direct"),
+                    ("into the state / DCP load", "stowaway.load_into", "dcp.load"),
+                    ("into new tensors / DCP load", "stowaway.load", "dcp.load")):
+                print(f"  {label}: {medians[numerator] / medians[denominator]:.2f}")
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The resharding benchmark runs end to end (torchrun jobs, a sidecar each) and reports every measurement.
+
+Timings are not asserted: the numbers come from runs on a quiet machine (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MEASURED = ("stowaway.load", "stowaway.load_into", "reference.read_direct", "dcp.load")
+RATIOS = ("into the state / O_DIRECT read reference", "into the state / DCP load", "into new tensors / DCP load")
+
+
+@pytest.mark.timeout(600)
+def test_the_reshard_bench_measures_stowaway_dcp_and_the_read_reference_on_fewer_and_more_ranks(tmp_path):
+    storage = tmp_path / "storage"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.reshard", "--mib", "8", "--saved", "2", "--onto", "1,3", "--reps", "1",
+         "--storage", str(storage)],
+        cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    for ranks in (1, 3):
+        report = run.stdout.split(f"restored on {ranks}:\n")[1]
+        lines = report.splitlines()[: len(MEASURED) + len(RATIOS)]
+        assert [line.split()[0] for line in lines[: len(MEASURED)]] == list(MEASURED), report
+        assert [line.split(":")[0].strip() for line in lines[len(MEASURED):]] == list(RATIOS), report
+        assert all(float(line.rsplit(":", 1)[1]) > 0 for line in lines[len(MEASURED):]), report
+    assert not storage.exists(), "the bench left its storage behind"
