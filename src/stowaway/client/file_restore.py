@@ -22,7 +22,6 @@ host-to-device copies run at full speed, from these pageable buffers not.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import mmap
 import os
@@ -93,7 +92,7 @@ class _FileReader:
         # Page-sized and page-aligned, as O_DIRECT needs; unmapped when the last view of them goes.
         chunk = max(CHUNK_BYTES, direct_io.page_round(header_bytes))
         buffers = [mmap.mmap(-1, chunk) for _ in range(2)]
-        self._direct = _made_direct(self._fd)
+        self._direct = direct_io.enable(self._fd)
         hasher = checksum.new()
         with ThreadPoolExecutor(1, thread_name_prefix="stowaway-read") as reading:
             count = self._read_chunk(buffers[0], 0, hasher)
@@ -137,7 +136,7 @@ class _FileReader:
                 if not self._direct or exc.errno != errno.EINVAL:
                     raise
                 # A filesystem that took the flag but refuses the transfer: read through the page cache.
-                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                direct_io.disable(self._fd)
                 self._direct = False
                 continue
             if count == 0:
@@ -146,17 +145,6 @@ class _FileReader:
             done += count
         hasher.update(view[:wanted])
         return wanted
-
-
-def _made_direct(fd: int) -> bool:
-    """Turn on ``O_DIRECT`` for the passed descriptor where the filesystem allows it (tmpfs does not)."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return False
-    return True
 
 
 def _parsed(header: memoryview, size: int) -> tuple[st.Layout, dict[str, Any]]:

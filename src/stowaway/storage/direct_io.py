@@ -92,6 +92,23 @@ def read_into(fd: int, payload: memoryview, nbytes: int) -> tuple[int, str]:
     return offset, hasher.hexdigest()
 
 
+def enable(fd: int) -> bool:
+    """Turn on ``O_DIRECT`` for a descriptor opened without it (one the sidecar passed), where the filesystem
+    allows it (tmpfs does not); whether it is on."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    return True
+
+
+def disable(fd: int) -> None:
+    """Go back to buffered I/O, after a filesystem that took ``O_DIRECT`` refused an aligned transfer."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+
+
 def _is_direct(fd: int) -> bool:
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
@@ -99,7 +116,7 @@ def _is_direct(fd: int) -> bool:
 def _stop_direct(fd: int, offset: int) -> bool:
     """Fall back to buffered I/O at ``offset`` after the filesystem refused an aligned transfer."""
     os.lseek(fd, offset, os.SEEK_SET)
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+    disable(fd)
     return False
 
 
