@@ -42,7 +42,6 @@ from stowaway.format import tree as tree_mod
 from stowaway.storage import checksum, direct_io, manifest
 
 CHUNK_BYTES = 16 * 2**20
-_TORCH_DTYPES = {name: dtype for dtype, name in tree_mod.SAFETENSORS_NAMES.items()}
 
 
 def suits(map_location: Any, into: Any) -> bool:
@@ -170,7 +169,7 @@ class _Filler:
         self._destinations: in_place.Destinations | None = None
         given: dict[str, list[torch.Tensor]] = {}
         if into is not None:
-            metas = {name: torch.empty(spec.shape, dtype=_TORCH_DTYPES[spec.dtype], device="meta")
+            metas = {name: torch.empty(spec.shape, dtype=tree_mod.TORCH_DTYPES[spec.dtype], device="meta")
                      for name, spec in specs.items()}
             self._destinations = in_place.match(tree, metas, into)
             for name, target in self._destinations.targets:
@@ -184,7 +183,7 @@ class _Filler:
             if targets and targets[0].is_contiguous():
                 read_into, others = targets[0], targets[1:]
             else:
-                read_into, others = torch.empty(item.spec.shape, dtype=_TORCH_DTYPES[item.spec.dtype]), targets
+                read_into, others = torch.empty(item.spec.shape, dtype=tree_mod.TORCH_DTYPES[item.spec.dtype]), targets
             # Also where a given tensor is returned instead: the other half of a tie that ``into`` lacks.
             self.tensors[item.spec.name] = read_into
             self._later.extend((other, read_into) for other in others)

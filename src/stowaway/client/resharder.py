@@ -41,7 +41,6 @@ from stowaway.protocol import messages
 from stowaway.storage import manifest
 
 CHECKED_PLAIN_BYTES = 64 * 2**10
-_TORCH_DTYPES = {name: dtype for dtype, name in tree_mod.SAFETENSORS_NAMES.items()}
 
 
 class Resharder:
@@ -106,7 +105,7 @@ class Resharder:
         specs = {name: item.spec for name, item in layouts[source].items()}
         destinations = None
         if into is not None:
-            metas = {name: torch.empty(spec.shape, dtype=_TORCH_DTYPES[spec.dtype], device="meta")
+            metas = {name: torch.empty(spec.shape, dtype=tree_mod.TORCH_DTYPES[spec.dtype], device="meta")
                      for name, spec in specs.items()}
             destinations = in_place.match(tree, metas, into, reshard=True)
         reader = _Reader(files, layouts, starts)
@@ -124,7 +123,7 @@ class Resharder:
                     mesh = builder.mesh(node)
                     target = _target_on(mesh, self._rank, node[nodes.DTENSOR_PLACEMENTS])
                     local = torch.empty(reshard.new_local_shape(node[nodes.DTENSOR_SHAPE], target),
-                                        dtype=_TORCH_DTYPES[specs[name].dtype])
+                                        dtype=tree_mod.TORCH_DTYPES[specs[name].dtype])
                     builder.targets[name] = mesh
                 local_shapes = {rank: list(found[name].spec.shape) for rank, found in layouts.items() if name in found}
                 # An optimizer's states repeat their parameter's layout: each layout is planned once.
@@ -145,7 +144,7 @@ class Resharder:
             spec = specs[name]
             destination = filled_plain.get(name)
             plain = destination if destination is not None else torch.empty(spec.shape,
-                                                                             dtype=_TORCH_DTYPES[spec.dtype])
+                                                                             dtype=tree_mod.TORCH_DTYPES[spec.dtype])
             rows = (0, spec.shape[0] if spec.shape else 1)
             if plain.numel():
                 reader.fill(name, plain, [reshard.Region(source, rows, (), (), rows)])
@@ -251,7 +250,8 @@ class _Reader:
                 stored.read(begin, end, memoryview(rows.detach().reshape(-1).view(torch.uint8).numpy().data))
                 continue
             raw = torch.frombuffer(stored.read(begin, end), dtype=torch.uint8)
-            block = raw.view(_TORCH_DTYPES[item.spec.dtype]).reshape(region.rows[1] - region.rows[0], *shape[1:])
+            typed = raw.view(tree_mod.TORCH_DTYPES[item.spec.dtype])
+            block = typed.reshape(region.rows[1] - region.rows[0], *shape[1:])
             if not region.source:  # a whole plain tensor, into a destination the bytes cannot be read into
                 with torch.no_grad():
                     local.copy_(block.reshape(local.shape))

@@ -17,8 +17,6 @@ from stowaway.format import safetensors_header as st
 from stowaway.format import template as template_mod
 from stowaway.format import tree as tree_mod
 
-_FROM_SAFETENSORS = {name: dtype for dtype, name in tree_mod.SAFETENSORS_NAMES.items()}
-
 
 @dataclass(frozen=True)
 class Encoded:
@@ -236,7 +234,8 @@ def _views(payload: torch.Tensor, layout: st.Layout, items: list[st.Placed]) -> 
         size = dtypes.ELEMENT_BYTES[spec.dtype]
         whole = typed.get(spec.dtype)
         if whole is None:
-            whole = typed[spec.dtype] = payload[: payload.numel() // size * size].view(_FROM_SAFETENSORS[spec.dtype])
+            whole = payload[: payload.numel() // size * size].view(tree_mod.TORCH_DTYPES[spec.dtype])
+            typed[spec.dtype] = whole
         offset, misaligned = divmod(data_start + item.begin, size)
         if misaligned:
             raise st.HeaderError(f"tensor {spec.name!r} starts at an offset that is not a multiple of its element size")

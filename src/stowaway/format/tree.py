@@ -28,6 +28,8 @@ Path = tuple[str | int, ...]
 
 # The dtypes a payload stores, each with its safetensors name: ``format.dtypes`` seen from torch.
 SAFETENSORS_NAMES: dict[torch.dtype, str] = {getattr(torch, dtype.torch): dtype.safetensors for dtype in dtypes.TABLE}
+# And back: the torch dtype of each safetensors name, for reading a payload.
+TORCH_DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in SAFETENSORS_NAMES.items()}
 
 
 @dataclass
