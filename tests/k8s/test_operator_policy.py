@@ -64,4 +64,4 @@ def test_kubectl_get_ckpol_shows_the_printer_columns(
 ) -> None:
     create_policy(k8s_api, k8s_namespace)
     table = k8s_cluster.run("kubectl", "get", "ckpol", "-n", k8s_namespace).stdout.split("\n")[0].split()
-    assert table == ["NAME", "CLAIM", "SHM", "KEEP", "READY", "PODS", "AGE"]
+    assert table == ["NAME", "CLAIM", "BUCKET", "SHM", "KEEP", "READY", "PODS", "AGE"]

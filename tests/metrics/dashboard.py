@@ -12,6 +12,8 @@ PATH = Path(__file__).parents[2] / "charts" / "stowaway" / "dashboards" / "stowa
 SERIES = re.compile(r"\bstowaway_[a-z0-9_]+\b")
 # The operator's series: one operator per cluster, so its panels are not filtered by the sidecars' variables.
 OPERATOR_SERIES = "stowaway_operator_"
+# Series a sidecar exports only with a bucket tier: the "Bucket tier" row is blank for a job without one.
+BUCKET_TIER_SERIES = ("stowaway_bucket_", "stowaway_tier_")
 # What Grafana puts in place of the variables when everything is selected.
 ALL_SELECTED = {"$__rate_interval": "5m", "$namespace": ".*", "$job": ".*"}
 
@@ -29,13 +31,15 @@ def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
-    """(where, PromQL) of every panel target over the sidecars' series, and of every query variable.
+def queries(dashboard: dict[str, Any], bucket_tier: bool = True) -> list[tuple[str, str]]:
+    """(where, PromQL) of every panel target over the sidecars' series, and of every query variable; without
+    the bucket tier's panels unless ``bucket_tier`` (for sidecars that run without one).
 
     Split from :func:`operator_queries` because each returns data only from a
     Prometheus that scraped its own kind of target.
     """
-    found = [(where, expr) for where, expr in _targets(dashboard) if OPERATOR_SERIES not in expr]
+    found = [(where, expr) for where, expr in _targets(dashboard) if OPERATOR_SERIES not in expr
+             and (bucket_tier or not any(series in expr for series in BUCKET_TIER_SERIES))]
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":
             selector = re.fullmatch(r"label_values\((.+), *\w+\)", variable["definition"])

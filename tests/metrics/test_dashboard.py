@@ -24,6 +24,19 @@ def test_the_dashboard_has_a_stable_uid_and_datasource_namespace_and_job_variabl
             "Slots in flight", "Injections by result", "Webhook latency", "Policy reconcile errors"} <= titles
 
 
+def test_only_the_bucket_tier_row_is_left_out_for_a_sidecar_without_a_bucket_tier() -> None:
+    board = dashboard.load()
+    row_titles, row = set(), None
+    for panel in board["panels"]:  # an open row's panels follow it, up to the next row
+        if panel["type"] == "row":
+            row = panel["title"]
+        elif row == "Bucket tier":
+            row_titles.add(panel["title"])
+    left_out = {where for where, _ in dashboard.queries(board)} - {where for where, _ in
+                                                                   dashboard.queries(board, bucket_tier=False)}
+    assert left_out and left_out <= row_titles, (left_out, row_titles)
+
+
 def test_every_sidecar_panel_query_filters_by_namespace_and_job() -> None:
     board = dashboard.load()
     for panel in dashboard.panels(board):
