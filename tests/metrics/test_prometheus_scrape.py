@@ -1,4 +1,5 @@
-"""A real Prometheus scrapes a sidecar while three ranks save 30 steps, every other one with ``overlap=True``.
+"""A real Prometheus scrapes a sidecar while three ranks save 30 steps, every other one with ``overlap=True``, and
+its bucket tier uploads them to a real S3 server.
 
 What the ranks measured must be what Prometheus reports, and every dashboard
 query must return data. Synchronisation is on what Prometheus has observably
@@ -19,12 +20,13 @@ from pathlib import Path
 
 import pytest
 from data_path.processes import RankProcess, SidecarProcess, wait_for
+from s3server import S3Server
 
 from metrics import dashboard
 from metrics.promtools import PrometheusServer, free_port
 from stowaway.sidecar.metrics import BUCKETS
 
-pytestmark = pytest.mark.prometheus
+pytestmark = [pytest.mark.prometheus, pytest.mark.s3]
 
 RANKS = 3
 STEPS = 30
@@ -44,17 +46,19 @@ def until_prometheus_has(prometheus: PrometheusServer, expr: str, expected: floa
 
 
 @pytest.fixture(scope="module")
-def observed_run() -> Iterator[ObservedRun]:
+def observed_run(s3_server: S3Server) -> Iterator[ObservedRun]:
     root = Path(tempfile.mkdtemp(prefix="sw", dir="/tmp"))
     port = free_port()
-    # With a bucket tier, whose series (and dashboard row) exist only then: its endpoint takes no connection, so
-    # every upload fails and is counted, and the saves commit on the claim all the same.
-    bucket = ["--bucket", "s3://metrics-test", "--bucket-endpoint", "http://127.0.0.1:9"]
+    # With a bucket tier on a real S3 server: its series, and the dashboard's row over them, exist only then.
+    s3_server.create_bucket("metrics-scrape")
     sidecar = SidecarProcess(root, root / "storage", "a", ["--metrics-port", str(port), "--metrics-address",
-                                                           "127.0.0.1", *bucket])
+                                                           "127.0.0.1", "--bucket", "s3://metrics-scrape"])
     prometheus = PrometheusServer(f"127.0.0.1:{port}")
     ranks: list[RankProcess] = []
+    environment = pytest.MonkeyPatch()
     try:
+        for name, value in s3_server.env().items():
+            environment.setenv(name, value)  # the sidecar's credentials and endpoint, as the policy gives them
         sidecar.start()
         for rank in range(RANKS):
             ranks.append(RankProcess(sidecar.env("job", rank, RANKS), root / f"rank-{rank}.log"))
@@ -68,8 +72,11 @@ def observed_run() -> Iterator[ObservedRun]:
         until_prometheus_has(prometheus, "stowaway_save_blocking_seconds_count", RANKS * STEPS)
         until_prometheus_has(prometheus, "stowaway_save_staging_seconds_count", RANKS * (STEPS // 2))
         until_prometheus_has(prometheus, "stowaway_last_committed_step", STEPS - 1)
+        wait_for(lambda: (prometheus.value("stowaway_bucket_uploads_total") or 0) >= 1,
+                 "Prometheus to report an upload to the bucket", interval=POLL)
         yield ObservedRun(prometheus, blocking, staging, started_unix)
     finally:
+        environment.undo()
         for rank in ranks:
             rank.kill()
         if sidecar.alive():
