@@ -22,7 +22,6 @@ host-to-device copies run at full speed, from these pageable buffers not.
 from __future__ import annotations
 
 import errno
-import json
 import mmap
 import os
 import struct
@@ -36,7 +35,7 @@ import torch
 from stowaway.client.link import Link
 from stowaway.client.stored_files import read_manifest
 from stowaway.errors import CheckpointCorrupt, SaveFailed
-from stowaway.format import dtensors, in_place, nodes, template
+from stowaway.format import codec, dtensors, in_place, template
 from stowaway.format import safetensors_header as st
 from stowaway.format import tree as tree_mod
 from stowaway.storage import checksum, direct_io, manifest
@@ -95,7 +94,7 @@ class _FileReader:
         hasher = checksum.new()
         with ThreadPoolExecutor(1, thread_name_prefix="stowaway-read") as reading:
             count = self._read_chunk(buffers[0], 0, hasher)
-            layout, tree = _parsed(memoryview(buffers[0])[:header_bytes], size)
+            layout, tree = codec.parsed_header(memoryview(buffers[0])[:header_bytes], size)
             filler = _Filler(layout, tree, into)
             offset, index = 0, 0
             while True:
@@ -144,14 +143,6 @@ class _FileReader:
             done += count
         hasher.update(view[:wanted])
         return wanted
-
-
-def _parsed(header: memoryview, size: int) -> tuple[st.Layout, dict[str, Any]]:
-    layout, metadata = st.parse(header, size)
-    try:
-        return layout, json.loads(metadata[nodes.METADATA_KEY])
-    except (KeyError, json.JSONDecodeError) as exc:
-        raise st.HeaderError(f"payload carries no Stowaway state tree: {exc}") from exc
 
 
 class _Filler:

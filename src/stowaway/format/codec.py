@@ -205,14 +205,18 @@ class _CopiedOnDemand(dict[str, torch.Tensor]):
 
 def parsed(payload: torch.Tensor, nbytes: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A payload's state tree, and a view of the payload for each of its tensors by name."""
-    raw = payload.numpy().data
-    layout, metadata = st.parse(raw, nbytes)
-    try:
-        tree = json.loads(metadata[nodes.METADATA_KEY])
-    except (KeyError, json.JSONDecodeError) as exc:
-        raise st.HeaderError(f"payload carries no Stowaway state tree: {exc}") from exc
+    layout, tree = parsed_header(payload.numpy().data, nbytes)
     views = _views(payload, layout, layout.tensors)
     return tree, {item.spec.name: view for item, view in zip(layout.tensors, views, strict=True)}
+
+
+def parsed_header(raw: memoryview, nbytes: int) -> tuple[st.Layout, dict[str, Any]]:
+    """The layout and the state tree of the header at the start of ``raw`` (of a payload of ``nbytes``)."""
+    layout, metadata = st.parse(raw, nbytes)
+    try:
+        return layout, json.loads(metadata[nodes.METADATA_KEY])
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise st.HeaderError(f"payload carries no Stowaway state tree: {exc}") from exc
 
 
 def _views(payload: torch.Tensor, layout: st.Layout, items: list[st.Placed]) -> list[torch.Tensor]:
