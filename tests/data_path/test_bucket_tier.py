@@ -3,6 +3,7 @@ into an empty claim, and the tools on ``s3://`` URLs."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,8 +64,10 @@ def test_committed_steps_reach_the_bucket_which_keeps_its_own_retention(
     assert "rank 0: rank-00000-of-00001.safetensors" in inspected.stdout
 
 
-def test_a_pod_whose_claim_is_empty_restores_from_the_bucket(
-        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank, short_tmp: Path) -> None:
+@pytest.mark.parametrize("claim_holds", [[], [3]], ids=["empty claim", "claim restored from an older backup"])
+def test_a_pod_whose_claim_lacks_the_newest_step_restores_it_from_the_bucket(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank, short_tmp: Path,
+        claim_holds: list[int]) -> None:
     url = f"s3://{s3_bucket}/ckpt"
     first = start_sidecar("a", extra=["--bucket", url], storage_dir=short_tmp / "claim-a")
     rank = start_rank(first)
@@ -75,15 +78,68 @@ def test_a_pod_whose_claim_is_empty_restores_from_the_bucket(
     wait_for(lambda: bucket_steps(bucket_env, f"{url}/job") == [3, 7], "steps 3 and 7 in the bucket")
     first.stop()
 
-    # A new cluster: another claim, empty, the same bucket.
+    # A new cluster (another claim, the same bucket), or a claim restored from a backup taken before step 7.
+    for step in claim_holds:
+        shutil.copytree(layout.step_dir(short_tmp / "claim-a" / "job", step),
+                        layout.step_dir(short_tmp / "claim-b" / "job", step))
     second = start_sidecar("b", extra=["--bucket", url], storage_dir=short_tmp / "claim-b")
     restored = start_rank(second)
     loaded = restored.call(op="load")
     assert loaded == {"step": 7, "intact": True, "numel": 300_000}
     assert restored.last_restore()["source"] == "storage"
-    assert catalog.committed_steps(short_tmp / "claim-b" / "job") == [7]
+    assert catalog.committed_steps(short_tmp / "claim-b" / "job") == [*claim_holds, 7]
     assert (short_tmp / "claim-b" / "job" / layout.LATEST).read_text().strip() == "7"
+    assert f"the claim's newest was {'step 3' if claim_holds else 'none'}" in second.log()
     restored.exit()
+
+
+def test_a_rollback_on_the_claim_sets_the_bucket_copies_aside_so_no_cluster_restores_them(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank, short_tmp: Path) -> None:
+    url = f"s3://{s3_bucket}/ckpt"
+    claim = short_tmp / "claim-a"
+    sidecar = start_sidecar("a", extra=["--bucket", url], storage_dir=claim)
+    rank = start_rank(sidecar, run_id="first-run")
+    for step in (3, 5, 7):
+        rank.save(step)
+        assert rank.wait(step).get("committed")
+        wait_for(lambda step=step: step in bucket_steps(bucket_env, f"{url}/job"), f"step {step} in the bucket")
+    rank.exit()
+    sidecar.stop()
+
+    rolled = stowaway("rollback", str(claim / "job"), "--to", "5")
+    assert rolled.returncode == 0, rolled.stderr
+    sidecar.start()
+    wait_for(lambda: bucket_steps(bucket_env, f"{url}/job") == [3, 5], "step 7 to leave the bucket's step names",
+             log=sidecar.log)
+    listed = stowaway("ls", f"{url}/job")
+    assert listed.returncode == 0, listed.stderr
+    assert f"set aside (kept for inspection; delete it when done): {url}/job/rolled-back-step-000000000007-" \
+        in listed.stdout, listed.stdout
+
+    # A new cluster, with an empty claim, restores the step the job went back to, not the abandoned one.
+    elsewhere = start_sidecar("b", extra=["--bucket", url], storage_dir=short_tmp / "claim-b")
+    fresh = start_rank(elsewhere)
+    assert fresh.call(op="load") == {"step": 5, "intact": True, "numel": 1024}
+    fresh.exit()
+
+    # The job goes on from step 5, and its new step 7 reaches the bucket under its own name.
+    resumed = start_rank(sidecar, run_id="second-run")
+    assert resumed.call(op="load") == {"step": 5, "intact": True, "numel": 1024}
+    resumed.save(7)
+    assert resumed.wait(7).get("committed")
+    resumed.exit()
+    store = bucket.Bucket(bucket.Location(s3_bucket, "ckpt"), bucket.Settings(endpoint=bucket_env.endpoint))
+    wait_for(lambda: 7 in store.committed_steps("job") and store.read_manifest("job", 7).run == "second-run",
+             "the new step 7 in the bucket", log=sidecar.log)
+
+
+def test_an_object_too_large_for_one_server_copy_is_copied_by_streaming(bucket_env: S3Server, s3_bucket: str) -> None:
+    store = bucket.Bucket(bucket.Location(s3_bucket, "p"),
+                          bucket.Settings(endpoint=bucket_env.endpoint, part_bytes=5 * 2**20, server_copy_bytes=0))
+    data = bytes(range(256)) * (12 * 2**20 // 256 + 7)
+    store.put("p/source", data)
+    store.copy("p/source", "p/target", len(data))
+    assert store.read("p/target") == data
 
 
 def test_read_checkpoint_reads_a_step_from_the_bucket(

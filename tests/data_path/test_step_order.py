@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from data_path.processes import wait_for
-from stowaway.storage import catalog, layout
+from stowaway.storage import catalog, layout, rollbacks
 
 
 def test_a_step_older_than_the_newest_committed_one_is_refused_with_why_and_nothing_is_lost(
@@ -70,6 +70,7 @@ def test_rollback_sets_the_newer_steps_aside_so_the_job_resumes_from_the_older_o
     aside = {int(path.name.split("-")[3]): path for path in layout.set_aside_dirs(job)}
     assert sorted(aside) == [2, 3] and all(path.name.startswith("rolled-back-step-") for path in aside.values())
     assert {path.name: path.read_bytes() for path in aside[3].iterdir()} == files_of_3, "nothing is deleted"
+    assert [record.to for record in rollbacks.recorded(job)] == [1], "a bucket tier needs the record"
 
     again = start_rank(sidecar, job="spike", run_id="second-run")
     assert again.call(op="load") == {"step": 1, "intact": True, "numel": 1024}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from stowaway.sidecar import tier_plan
+from stowaway.storage.rollbacks import Rollback
 
 
 def test_only_the_newest_claim_step_above_the_bucket_is_uploaded() -> None:
@@ -36,3 +37,21 @@ def test_torn_uploads_below_the_newest_committed_step_are_swept() -> None:
 def test_a_step_above_the_newest_committed_may_still_be_uploading_and_stays() -> None:
     assert tier_plan.to_sweep([10, 40], committed=[10]) == []
     assert tier_plan.to_sweep([40], committed=[]) == []
+
+
+def test_bucket_steps_above_a_rollback_committed_before_it_are_abandoned_and_steps_saved_again_stay() -> None:
+    back_to_5 = Rollback(to=5, unix=1000.0, stamp_ns=1)
+    # 7 and 9 came from the abandoned run; 7 was saved again after the rollback (its copy is newer), 5 is the target.
+    assert tier_plan.may_be_rolled_back([3, 5, 7, 9], [back_to_5]) == [7, 9]
+    rolled = tier_plan.rolled_back({7: 1200.0, 9: 900.0}, [back_to_5])
+    assert rolled == {9: back_to_5}
+
+
+def test_the_earliest_rollback_that_abandoned_a_step_names_its_copy() -> None:
+    first, second = Rollback(to=8, unix=1000.0, stamp_ns=1), Rollback(to=4, unix=2000.0, stamp_ns=2)
+    assert tier_plan.rolled_back({6: 1500.0, 9: 500.0}, [first, second]) == {6: second, 9: first}
+
+
+def test_without_a_rollback_nothing_is_read_or_abandoned() -> None:
+    assert tier_plan.may_be_rolled_back([1, 2, 3], []) == []
+    assert tier_plan.rolled_back({}, []) == {}

@@ -46,6 +46,8 @@ def run_ls(url: str) -> int:
                 catalog_cmds.print_row(step, job.read_manifest(step), sys.stdout)
             except (manifest.ManifestError, bucket.BucketError) as exc:
                 print(f"  {step:>10}  unreadable manifest: {exc}")
+        for url_aside in job.set_aside():
+            print(f"  set aside (kept for inspection; delete it when done): {url_aside}")
     return 0
 
 

@@ -18,10 +18,16 @@ claim whose newest step this node committed (its receipt holds rank 0's
 file), so a sidecar killed mid-upload resumes where the bucket stands, and
 of several nodes sharing the claim only that one uploads.
 
-When a rank asks what it can restore and the claim holds no committed step
-of its job (a new cluster, a lost volume), the newest step the bucket holds
-is first copied onto the claim (rank files, then the manifest), and restored
-from there as usual.
+When a rank asks what it can restore and the bucket holds a newer committed
+step of its job than the claim (a new cluster, a lost volume, a claim
+restored from an older backup, its newest step set aside as corrupt), that
+step is first copied onto the claim (rank files, then the manifest), and
+restored from there as usual.
+
+``stowaway rollback`` runs on the claim and leaves a record there
+(``storage.rollbacks``): the bucket's copies of the steps it abandoned are
+never restored, and are set aside in the bucket at the next upload or start,
+so that the steps saved again are uploaded under their own names.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from pathlib import Path
 from stowaway.sidecar import tier_plan
 from stowaway.sidecar.config import SidecarConfig
 from stowaway.sidecar.metrics import BucketMetrics
-from stowaway.storage import bucket, catalog, durable, layout, manifest
+from stowaway.storage import bucket, catalog, durable, layout, manifest, rollbacks
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,11 @@ class BucketTier:
         self._stopping = threading.Event()
         self._task: asyncio.Task[None] | None = None
         self._filling: dict[str, asyncio.Lock] = {}
+        # Per job, the claim's newest step when the bucket last had nothing newer for it: ranks asking after
+        # one another then cost the bucket one listing, not one each.
+        self._claim_current: dict[str, int] = {}
+        # When each bucket step was committed (from its manifest), for the rollback records: (job, step) -> unix.
+        self._committed_unix: dict[tuple[str, int], float] = {}
 
     @property
     def location(self) -> bucket.Location:
@@ -145,6 +156,7 @@ class BucketTier:
         known = self._known.pop(job, None)
         if known is None:
             known = store.committed_steps(job)
+        known = self._set_rolled_back_aside(store, job, known)
         for step in tier_plan.to_upload(claim, known, self._config.bucket_keep_every):
             if self._upload_step(store, job, step):
                 known.append(step)
@@ -161,6 +173,30 @@ class BucketTier:
             store.remove_step(job, present[step])
             log.info("removed the torn upload of step %d of job %s from %s", step, job, self._location)
         self._known[job] = [step for step in committed if step not in dropped]
+
+    def _rolled_back(self, store: bucket.Bucket, job: str, committed: list[int]) -> dict[int, rollbacks.Rollback]:
+        """The bucket's steps of ``job`` that a rollback on the claim abandoned, each with its rollback."""
+        recorded = rollbacks.recorded(self._job_path(job))
+        times = {}
+        for step in tier_plan.may_be_rolled_back(committed, recorded):
+            if (job, step) not in self._committed_unix:
+                self._committed_unix[(job, step)] = store.read_manifest(job, step).created_unix
+            times[step] = self._committed_unix[(job, step)]
+        return tier_plan.rolled_back(times, recorded)
+
+    def _set_rolled_back_aside(self, store: bucket.Bucket, job: str, committed: list[int]) -> list[int]:
+        """Set the bucket's copies of rolled-back steps aside; the committed steps that stay."""
+        abandoned = self._rolled_back(store, job, committed)
+        if not abandoned:
+            return committed
+        present = store.step_objects(job)
+        for step, rollback in sorted(abandoned.items()):
+            where = store.set_aside_step(job, store.read_manifest(job, step), rollback.stamp_ns,
+                                         present.get(step, []))
+            self._committed_unix.pop((job, step), None)
+            log.info("step %d of job %s was rolled back to step %d on the claim: set aside in the bucket as %s",
+                     step, job, rollback.to, where)
+        return [step for step in committed if step not in abandoned]
 
     def _hosts_rank_zero(self, job: str, step: int) -> bool:
         """Whether this node's receipt of ``step`` holds rank 0's file: on a restart of several nodes sharing
@@ -188,6 +224,7 @@ class BucketTier:
                 log.info("step %d of job %s left the claim during its upload; a newer one goes instead", step, job)
                 return False
         store.put(store.step_key(job, step, layout.MANIFEST), manifest_bytes)
+        self._committed_unix[(job, step)] = found.created_unix
         seconds = time.monotonic() - started
         self._metrics.upload_duration.observe(seconds)
         self._metrics.uploads.inc()
@@ -198,7 +235,7 @@ class BucketTier:
         return True
 
     async def fill_claim(self, job: str) -> None:
-        """If the claim holds no committed step of ``job``, copy the bucket's newest onto it first.
+        """If the bucket holds a newer committed step of ``job`` than the claim, copy it onto the claim first.
 
         Ranks ask one after another; a lock per job makes the first do the
         copy and the others find it done. A failure is logged and counted:
@@ -210,15 +247,20 @@ class BucketTier:
                 await asyncio.to_thread(self._fill, job)
             except (bucket.BucketError, OSError, manifest.ManifestError) as exc:
                 self._metrics.upload_failed(exc.kind if isinstance(exc, bucket.BucketError) else "claim_io")
-                log.error("job %s has no checkpoint on the claim and none could be restored from %s: %s",
+                log.error("job %s could not be restored from %s, the ranks see what the claim holds: %s",
                           job, self._location, exc)
 
     def _fill(self, job: str) -> None:
         job_path = self._job_path(job)
-        if catalog.committed_steps(job_path):
+        claim = catalog.committed_steps(job_path)
+        newest = claim[-1] if claim else -1
+        if self._claim_current.get(job) == newest:
             return
         store = self._open()
-        for step in reversed(store.committed_steps(job)):
+        committed = store.committed_steps(job)
+        abandoned = self._rolled_back(store, job, committed)
+        newer = [step for step in committed if step > newest and step not in abandoned]
+        for step in reversed(newer):
             found = store.read_manifest(job, step)
             started = time.monotonic()
             try:
@@ -228,9 +270,12 @@ class BucketTier:
                 log.error("step %d of job %s in %s is corrupt, trying the next older one: %s",
                           step, job, self._location, exc)
                 continue
-            log.info("copied step %d of job %s (%d bytes) from %s to the claim in %.3f s: the claim held none",
-                     step, job, found.total_bytes, store.url(job), time.monotonic() - started)
-            return
+            log.info("copied step %d of job %s (%d bytes) from %s to the claim in %.3f s: the claim's newest "
+                     "was %s", step, job, found.total_bytes, store.url(job), time.monotonic() - started,
+                     "none" if newest < 0 else f"step {newest}")
+            newest = step
+            break
+        self._claim_current[job] = newest
 
     def _download_step(self, store: bucket.Bucket, job_path: Path, found: manifest.Manifest) -> None:
         step_path = layout.step_dir(job_path, found.step)

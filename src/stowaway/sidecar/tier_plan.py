@@ -7,6 +7,8 @@ deletes accordingly.
 
 from __future__ import annotations
 
+from stowaway.storage.rollbacks import Rollback
+
 
 def kept(committed: list[int], keep_last: int, keep_every: int) -> set[int]:
     """The steps a tier's retention keeps: the last ``keep_last`` and every multiple of ``keep_every``.
@@ -52,3 +54,22 @@ def to_sweep(present: list[int], committed: list[int]) -> list[int]:
     newest = max(committed, default=-1)
     done = set(committed)
     return sorted(step for step in present if step < newest and step not in done)
+
+
+def may_be_rolled_back(bucket: list[int], rollbacks: list[Rollback]) -> list[int]:
+    """Bucket steps newer than some rollback's target: when each was committed decides whether it is abandoned."""
+    if not rollbacks:
+        return []
+    lowest = min(rollback.to for rollback in rollbacks)
+    return [step for step in bucket if step > lowest]
+
+
+def rolled_back(committed_unix: dict[int, float], rollbacks: list[Rollback]) -> dict[int, Rollback]:
+    """Bucket steps (with the time each was committed) that a rollback abandoned, each with the earliest such
+    rollback: a step saved again after the rollback is newer than it, and stays."""
+    found: dict[int, Rollback] = {}
+    for step, unix in committed_unix.items():
+        abandoning = [rollback for rollback in rollbacks if rollback.abandons(step, unix)]
+        if abandoning:
+            found[step] = abandoning[0]
+    return found

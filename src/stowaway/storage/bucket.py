@@ -17,6 +17,7 @@ web identity) and never pass through this code or its messages.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import threading
@@ -35,6 +36,7 @@ SCHEME = "s3://"
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _STEP_KEY = re.compile(r"^step-(\d{12})/(.+)$")
 MiB = 2**20
+GiB = 2**30
 READ_CHUNK_BYTES = 1 * MiB
 
 
@@ -98,6 +100,9 @@ class Settings:
     concurrency: int = 8
     # Each request (one part) is retried with backoff until this many seconds have passed.
     retry_seconds: float = 60.0
+    # Objects up to this size are copied by the server in one request (S3's limit for CopyObject); larger ones
+    # are streamed through the sidecar.
+    server_copy_bytes: int = 5 * GiB
 
 
 def open_store(location: Location, settings: Settings) -> S3Store:
@@ -162,15 +167,15 @@ class Bucket:
 
     # Reading.
 
-    def folders(self) -> list[str]:
-        """Names of the folders directly under the location (jobs, or a job's steps)."""
+    def folders(self, *below: str) -> list[str]:
+        """Names of the folders directly under the location, or under ``below`` in it (jobs, or a job's steps)."""
         import obstore
 
-        prefix = self.location.key()
+        prefix = self.location.key(*below)
         try:
             found = obstore.list_with_delimiter(self._store, prefix or None)
         except Exception as exc:
-            raise classify(exc, f"listing {self.url()}") from exc
+            raise classify(exc, f"listing {self.url(*below)}") from exc
         return sorted(common.rstrip("/").rsplit("/", 1)[-1] for common in found["common_prefixes"])
 
     def step_objects(self, job: str) -> dict[int, list[str]]:
@@ -303,6 +308,44 @@ class Bucket:
         rest = [key for key in keys if key not in manifests]
         if rest:
             self.delete(rest)
+
+    def copy(self, source: str, target: str, nbytes: int) -> None:
+        """Copy an object within the bucket: by the server when S3 allows it in one request, else streamed."""
+        import obstore
+
+        try:
+            if nbytes <= self.settings.server_copy_bytes:
+                obstore.copy(self._store, source, target)
+            else:
+                # Asynchronous, because obstore cannot read one object inside the runtime writing another.
+                asyncio.run(self._stream_copy(source, target))
+        except Exception as exc:
+            raise classify(exc, f"copying {SCHEME}{self.location.bucket}/{source} to {target}") from exc
+
+    async def _stream_copy(self, source: str, target: str) -> None:
+        import obstore
+
+        response = await obstore.get_async(self._store, source)
+        await obstore.put_async(self._store, target, response.stream(min_chunk_size=READ_CHUNK_BYTES),
+                                use_multipart=True, chunk_size=self.settings.part_bytes,
+                                max_concurrency=self.settings.concurrency)
+
+    def set_aside_step(self, job: str, found: manifest.Manifest, stamp_ns: int, keys: list[str]) -> str:
+        """Move committed step ``found`` out of the step names, as ``stowaway rollback`` does on a claim; its URL.
+
+        A bucket cannot rename: every object is copied under
+        ``rolled-back-step-<step>-<stamp_ns>/``, then the originals are
+        deleted, manifest first. ``stamp_ns`` comes from the rollback's
+        record, so a retry after a crash writes the same names again, and
+        the step stays committed under its own name until its copy is whole.
+        """
+        target = self.location.key(job, layout.set_aside_dir(Path(), found.step, stamp_ns, layout.ROLLED_BACK).name)
+        sizes = {entry.name: entry.bytes for entry in found.files}
+        for key in sorted(keys, key=lambda key: key.endswith("/" + layout.MANIFEST)):
+            name = key.rsplit("/", 1)[-1]
+            self.copy(key, f"{target}/{name}", sizes.get(name, 0))
+        self.remove_step(job, keys)
+        return f"{SCHEME}{self.location.bucket}/{target}"
 
     def download_file(self, key: str, final: Path, entry: manifest.FileEntry, received: Callable[[int], None]) -> None:
         """Copy object ``key`` to ``final`` durably (temp name, fdatasync, rename, directory fsync), checked

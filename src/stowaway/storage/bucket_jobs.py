@@ -27,6 +27,10 @@ class BucketJob:
     def committed_steps(self) -> list[int]:
         return self.store.committed_steps(self.job)
 
+    def set_aside(self) -> list[str]:
+        """URLs of the job's steps set aside (by a rollback on its claim), by name."""
+        return [self.store.url(self.job, name) for name in self.store.folders(self.job) if layout.is_set_aside(name)]
+
     def read_manifest(self, step: int) -> manifest.Manifest:
         return self.store.read_manifest(self.job, step)
 
@@ -77,7 +81,7 @@ def jobs_at(url: str, settings: bucket.Settings | None = None) -> list[BucketJob
     location = bucket.Location.parse(url)
     settings = settings or bucket.Settings()
     here = bucket.Bucket(location, settings)
-    if any(layout.step_of(Path(name)) is not None for name in here.folders()):
+    if any(layout.step_of(Path(name)) is not None or layout.is_set_aside(name) for name in here.folders()):
         parent, _, job = location.prefix.rpartition("/")
         return [BucketJob(bucket.Bucket(bucket.Location(location.bucket, parent), settings), job)]
     return [BucketJob(here, job) for job in here.folders()]

@@ -7,6 +7,7 @@
     <storage>/<job>/latest                              (convenience pointer)
     <storage>/<job>/corrupt-step-000000000042-<ns>/...  (a committed step found corrupt, set aside)
     <storage>/<job>/rolled-back-step-000000000042-<ns>/...  (set aside by `stowaway rollback`)
+    <storage>/<job>/rollback-<ns>.json                  (what `stowaway rollback` went back to, and when)
 
 A checkpoint exists if and only if its manifest exists.
 """
@@ -47,6 +48,11 @@ def set_aside_dirs(job_path: Path) -> list[Path]:
     found = [(int(match.group(2)), entry.name, entry) for entry in job_path.iterdir()
              if (match := _SET_ASIDE_DIR.match(entry.name)) and entry.is_dir()]
     return [entry for *_, entry in sorted(found)]
+
+
+def is_set_aside(name: str) -> bool:
+    """Whether ``name`` is a set-aside step's folder (on a claim, or in a bucket)."""
+    return _SET_ASIDE_DIR.match(name) is not None
 
 
 def step_of(path: Path) -> int | None:
