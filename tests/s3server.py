@@ -135,6 +135,32 @@ class S3Server:
                     pytest.fail(f"weed did not accept an upload within {START_TIMEOUT:.0f} s ({exc}):\n{self.log()}")
                 time.sleep(0.2)  # polling a server that is starting: nothing to wait on but its answer
 
+    def shell(self, command: str) -> str:
+        """Run one ``weed shell`` command against this server (the administrator's tool); its output."""
+        master, master_grpc = self.ports[:2]
+        done = subprocess.run([str(self.weed), "shell", f"-master=127.0.0.1:{master}.{master_grpc}"],
+                              input=command + "\n", capture_output=True, text=True, timeout=60, check=False)
+        if done.returncode != 0:
+            pytest.fail(f"weed shell {command!r} exited with {done.returncode}: {done.stderr[-2000:]}")
+        return done.stdout
+
+    def usage(self, bucket: str) -> float:
+        """How full ``bucket`` is against its quota, in percent, as the master last heard from the volumes."""
+        for line in self.shell("s3.bucket.list").splitlines():
+            fields = dict(field.split(":", 1) for field in line.split() if ":" in field)
+            if line.split() and line.split()[0] == bucket and "usage" in fields:
+                return float(fields["usage"].rstrip("%"))
+        return 0.0
+
+    def enforce_quota(self, bucket: str, megabytes: int | None) -> None:
+        """Give ``bucket`` a quota (None: none) and apply it now: SeaweedFS makes a bucket over its quota
+        read-only until the quota is raised, and its usage is only known once the volumes report it."""
+        if megabytes is None:
+            self.shell(f"s3.bucket.quota -name={bucket} -op=remove")
+        else:
+            self.shell(f"s3.bucket.quota -name={bucket} -op=set -sizeMB={megabytes}")
+        self.shell("s3.bucket.quota.enforce -apply")
+
     def env(self) -> dict[str, str]:
         """What a sidecar or the CLI needs in its environment to reach the server as ``trainer``."""
         return {"AWS_ACCESS_KEY_ID": TRAINER[0], "AWS_SECRET_ACCESS_KEY": TRAINER[1],

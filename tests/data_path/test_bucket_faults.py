@@ -1,5 +1,5 @@
-"""Faults of the bucket tier against a real S3 server: the server down or frozen, wrong credentials, a missing
-or read-only bucket, a part failing, the sidecar killed mid-upload. The claim commits through all of them;
+"""Faults of the bucket tier against a real S3 server: the server down or frozen, wrong credentials, a missing,
+read-only or full bucket, a part failing, the sidecar killed mid-upload. The claim commits through all of them;
 nothing torn counts as committed in the bucket; uploads resume."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import obstore
 import pytest
 from faulty_proxy import FaultyProxy
-from s3server import READER, TRAINER, S3Server, weed_binary
+from s3server import ADMIN, READER, TRAINER, S3Server, weed_binary
 
 from data_path.processes import wait_for
 from stowaway.storage import bucket, bucket_jobs, catalog
@@ -50,6 +50,12 @@ def metric(port: int, name: str, labels: str = "") -> float:
     match = re.search(rf"^{re.escape(name)}{re.escape('{' + labels + '}') if labels else ''} (\S+)$", text, re.M)
     assert match, f"{name}{{{labels}}} not exported:\n{text}"
     return float(match.group(1))
+
+
+def failures(port: int) -> float:
+    """Bucket failures counted, whatever the reason: servers differ in how they refuse a full bucket."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(value) for value in re.findall(r"^stowaway_bucket_failures_total\{[^}]*\} (\S+)$", text, re.M))
 
 
 def bucket_steps(server: S3Server, url: str) -> list[int]:
@@ -107,6 +113,37 @@ def test_a_bucket_that_refuses_is_counted_and_logged_without_secrets_and_saves_c
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert used_secret not in text
     assert [meta["path"] for chunk in obstore.list(own_server.store("ckpt")) for meta in chunk] == []
+
+
+def test_a_full_bucket_keeps_its_steps_intact_saves_commit_and_the_newest_step_follows_once_room_is_made(
+        own_server: S3Server, start_sidecar, start_rank, storage: Path) -> None:
+    port = free_port()
+    sidecar = start_sidecar(extra=["--bucket", "s3://ckpt/p", "--metrics-port", str(port), *FAST_RETRIES])
+    rank = start_rank(sidecar)
+    rank.save(1)
+    assert rank.wait(1).get("committed")
+    wait_for(lambda: bucket_steps(own_server, "s3://ckpt/p/job") == [1], "step 1 in the bucket")
+
+    # Other data fills the bucket past a quota of 1 MB, and the server enforces it.
+    filler = own_server.store("ckpt", ADMIN)
+    obstore.put(filler, "other-team/data", os.urandom(3 * 2**20))
+    own_server.enforce_quota("ckpt", 1)
+    wait_for(lambda: own_server.usage("ckpt") > 100, "the volumes to report the bucket's usage")
+    own_server.enforce_quota("ckpt", 1)
+
+    for step in (2, 3):
+        rank.save(step)
+        assert rank.wait(step, timeout=10).get("committed"), "a full bucket must not hold up the claim's commits"
+    wait_for(lambda: failures(port) >= 2, "the refused uploads to be counted")
+    assert bucket_steps(own_server, "s3://ckpt/p/job") == [1], "nothing of a refused upload counts as committed"
+    job = bucket_jobs.jobs_at("s3://ckpt/p/job", bucket.Settings(endpoint=own_server.endpoint))[0]
+    assert [job.verify_file(1, entry) for entry in job.read_manifest(1).files] == [None]
+
+    own_server.enforce_quota("ckpt", None)
+    wait_for(lambda: bucket_steps(own_server, "s3://ckpt/p/job") == [1, 3], "the newest step once there is room",
+             log=sidecar.log)
+    rank.exit()
+    assert catalog.committed_steps(storage / "job") == [1, 2, 3]
 
 
 def test_a_sidecar_killed_mid_upload_commits_nothing_torn_and_its_restart_uploads_the_step(

@@ -28,6 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from stowaway.protocol import messages
+from stowaway.storage import bucket
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +170,7 @@ class _LiveGauges(Collector):
 
 
 # Why an upload to (or a restore from) the bucket tier failed: ``storage.bucket.KINDS`` and the claim's side.
-BUCKET_FAILURE_REASONS = (
-    "bucket_denied", "bucket_missing", "bucket_unreachable", "bucket_io", "source_changed", "claim_io",
-    "restore_corrupt",
-)
+BUCKET_FAILURE_REASONS = (*bucket.KINDS, "claim_io", "restore_corrupt")
 # The storage tiers a step can be committed in, below shared memory.
 TIERS = ("claim", "bucket")
 

@@ -57,7 +57,7 @@ class Stopped(Exception):
 
 
 # Every kind a BucketError may carry: the metric's label values.
-KINDS = ("bucket_denied", "bucket_missing", "bucket_unreachable", "bucket_io", "source_changed")
+KINDS = ("bucket_denied", "bucket_missing", "bucket_full", "bucket_unreachable", "bucket_io", "source_changed")
 
 
 def is_url(text: str | os.PathLike[str]) -> bool:
@@ -135,12 +135,17 @@ def classify(exc: Exception, what: str) -> BucketError:
     from obstore import exceptions
 
     text = str(exc)
-    if isinstance(exc, exceptions.PermissionDeniedError | exceptions.UnauthenticatedError) or any(
+    if any(code in text for code in ("QuotaExceeded", "StorageFull", "507 Insufficient Storage")):
+        kind, hint = "bucket_full", ("the bucket is over its quota or its server is out of space: raise the "
+                                     "quota, free space, or lower the bucket's keepLast/keepEvery; the steps "
+                                     "already in the bucket are untouched")
+    elif isinstance(exc, exceptions.PermissionDeniedError | exceptions.UnauthenticatedError) or any(
         code in text for code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403 Forbidden")
     ):
-        # Some servers (SeaweedFS) deny rather than report a bucket that does not exist to a non-admin.
+        # Some servers (SeaweedFS) deny rather than report a bucket that does not exist to a non-admin, or a
+        # write to a bucket over its quota.
         kind, hint = "bucket_denied", ("check the credentials (the Secret's access key), the bucket's policy, "
-                                       "and that the bucket exists")
+                                       "that the bucket exists, and that it is not over a quota")
     elif "NoSuchBucket" in text:
         kind, hint = "bucket_missing", "create the bucket, or correct the bucket's name"
     elif any(sign in text for sign in ("error sending request", "connect", "timed out", "Connection refused")):
