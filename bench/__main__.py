@@ -6,7 +6,9 @@ Where this Python has DLRover (the harness's own environment, ``python -m
 bench.env``, does), each configuration also gets DLRover's saver, started
 as its agent would start it (``bench.dlrover_saver``), and the ranks measure
 DLRover after the other peers; with ``--out``, the charts are drawn too
-where matplotlib is installed (``bench.charts``).
+where matplotlib is installed (``bench.charts``). With ``--bucket``, the
+bucket tier's upload and restore are measured last against the plain
+client (``bench.bucket``), on a bucket or a SeaweedFS started for the run.
 """
 
 from __future__ import annotations
@@ -26,18 +28,10 @@ from pathlib import Path
 
 import torch
 
-from bench import charts, dlrover_saver, report, system
+from bench import bucket, charts, dlrover_saver, report, system
 from stowaway.cli import run_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
-UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    if text and text[-1] in UNITS:
-        return int(float(text[:-1]) * UNITS[text[-1]])
-    return int(text)
 
 
 def run_config(total: int, ranks: int, reps: int, storage: Path, device: str, dlrover: bool) -> dict[str, object]:
@@ -141,6 +135,11 @@ def main() -> None:
     parser.add_argument("--no-dlrover", action="store_true",
                         help="leave DLRover out even where it is installed (a run about Stowaway alone, or one "
                              "short of memory: DLRover's phase holds its own copy of the state in shared memory)")
+    parser.add_argument("--bucket", default=None, metavar="s3://BUCKET/PREFIX|local",
+                        help="also measure the bucket tier's upload and restore against the plain client "
+                             "(bench.bucket): a bucket reached through the AWS_* variables, or 'local' for a "
+                             "SeaweedFS built (hack/e2e/gobuild) and started on this machine for the run")
+    parser.add_argument("--bucket-sizes", default="256M,1G", help="file sizes for --bucket, comma-separated")
     args = parser.parse_args()
     if args.device == "cuda":
         require_cuda(parser)
@@ -154,15 +153,25 @@ def main() -> None:
               "hack/bench runs the harness from its own environment (python -m bench.env), which has it",
               file=sys.stderr, flush=True)
     results = []
-    for total in (parse_size(size) for size in args.sizes.split(",")):
+    for total in (report.parse_size(size) for size in args.sizes.split(",")):
         for ranks in (int(count) for count in args.ranks.split(",")):
             print(f"bench: {report.size_label(total)} across {ranks} rank(s)", file=sys.stderr, flush=True)
             results.append(run_config(total, ranks, args.reps, args.storage, args.device, dlrover))
+    uploads = None
+    if args.bucket is not None:
+        print(f"bench: the bucket tier against {args.bucket}", file=sys.stderr, flush=True)
+        with bucket.reachable(args.bucket) as url:
+            sizes = [report.parse_size(size) for size in args.bucket_sizes.split(",")]
+            uploads = bucket.measure_sizes(url, sizes, args.reps)
     command = shlex.join(["python", "-m", "bench", *sys.argv[1:]])
     text = report.markdown(results, command, machine(args.device, dlrover))
+    if uploads is not None:
+        text += "\n" + bucket.section(args.bucket, uploads)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        if uploads is not None:
+            (args.out / "bucket.json").write_text(json.dumps({"bucket": args.bucket, "results": uploads}, indent=1))
         (args.out / "results.md").write_text(text)
         charts.draw_or_say_why(results, args.out)
     print(text)

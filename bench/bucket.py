@@ -14,13 +14,17 @@ For each size, the same file is moved four ways, ``--reps`` times each:
 
 The ratios (ours over the reference) are what to read: the same machine,
 server and client in the same process. The bucket is reached as the sidecar
-reaches it (``AWS_ENDPOINT_URL``, the credentials, ...); its objects are
-deleted afterwards. Prints a table; ``--out`` also writes the JSON.
+reaches it (``AWS_ENDPOINT_URL``, the credentials, ...), or is a SeaweedFS
+started here for the run (``--bucket local``); its objects are deleted
+afterwards. Prints a table; ``--out`` also writes the JSON. ``python -m
+bench --bucket ...`` runs the same after its configurations, in the same
+report.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -28,20 +32,15 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import obstore
 
+from bench import report, s3server
 from stowaway.storage import bucket, checksum, manifest
-
-UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
-
-
-def parse_size(text: str) -> int:
-    unit = UNITS.get(text[-1].upper())
-    return int(float(text[:-1]) * unit) if unit else int(text)
 
 
 def _timed(action: Callable[[], None], reps: int) -> list[float]:
@@ -98,18 +97,45 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def measure_sizes(url: str, sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    """``measure`` for each size, from a scratch directory on disk that is removed afterwards."""
+    scratch = Path(tempfile.mkdtemp(prefix="bench-bucket-", dir="/var/tmp"))
+    try:
+        return [measure(url, size, reps, scratch) for size in sizes]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def reachable(target: str) -> Iterator[str]:
+    """The bucket URL to measure against: ``target`` itself, or for ``local`` a SeaweedFS started on this machine
+    for the run (``bench.s3server``), with its endpoint and credentials in the environment meanwhile."""
+    if target != "local":
+        yield target
+        return
+    with s3server.running(s3server.build_weed()) as server:
+        server.create_bucket("bench")
+        with mock.patch.dict(os.environ, server.env()):
+            yield "s3://bench/run"
+
+
+def section(target: str, results: list[dict[str, Any]]) -> str:
+    """The bucket tier's part of the harness's report."""
+    where = "a SeaweedFS on this machine (bench.s3server)" if target == "local" else target
+    return (f"### Bucket tier against {where} (medians; ratio: ours over the reference, below 1 is faster)\n\n"
+            + table(results) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.bucket", description=__doc__.splitlines()[0])
-    parser.add_argument("--bucket", required=True, help="s3://BUCKET/PREFIX to write the objects under")
+    parser.add_argument("--bucket", required=True,
+                        help="s3://BUCKET/PREFIX to write the objects under, or 'local' for a SeaweedFS started here")
     parser.add_argument("--sizes", default="64M,256M", help="file sizes, comma-separated")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each measurement")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    scratch = Path(tempfile.mkdtemp(prefix="bench-bucket-", dir="/var/tmp"))
-    try:
-        results = [measure(args.bucket, parse_size(size), args.reps, scratch) for size in args.sizes.split(",")]
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with reachable(args.bucket) as url:
+        results = measure_sizes(url, [report.parse_size(size) for size in args.sizes.split(",")], args.reps)
     if args.out is not None:
         args.out.write_text(json.dumps({"bucket": args.bucket, "results": results}, indent=1) + "\n")
     print(table(results))

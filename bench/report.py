@@ -184,6 +184,17 @@ def ratio(seconds: dict[str, list[float]], target: Target) -> float:
     return median(seconds[target.numerator]) / min(median(seconds[name]) for name in target.denominators)
 
 
+UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``256M``, ``1G``, ``4GiB`` or a number of bytes."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in UNITS:
+        return int(float(text[:-1]) * UNITS[text[-1]])
+    return int(text)
+
+
 def size_label(nbytes: float) -> str:
     return f"{nbytes / 2**30:.0f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
 

@@ -187,7 +187,7 @@ def main() -> None:
                         help="durable storage for the sidecar (emptied afterwards)")
     parser.add_argument("--out", type=Path, default=None, help="directory for results.json and results.md")
     args = parser.parse_args()
-    args.size = harness.parse_size(args.size)
+    args.size = report.parse_size(args.size)
     if args.device == "cuda":
         harness.require_cuda(parser)
     if args.storage.exists() and any(args.storage.iterdir()):

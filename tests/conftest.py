@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import s3server
+
+from bench import s3server as bench_s3server
 
 HACK = Path(__file__).resolve().parents[1] / "hack"
 
@@ -76,18 +77,14 @@ def _build_weed(session: pytest.Session) -> None:
     Only a missing Go toolchain makes the s3 tests skip (with that
     message); a build that fails otherwise fails them, with its log.
     """
-    go = shutil.which("go") or ("/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").exists() else None)
-    if go is None:
-        os.environ["STOWAWAY_WEED_MISSING"] = ("no Go toolchain (go on PATH or /usr/local/go/bin/go): install "
-                                               "Go >= 1.26 to build SeaweedFS from the Go module proxy")
-        return
     capture = session.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
-        built = subprocess.run([str(HACK / "e2e" / "gobuild"), "seaweedfs"], stdout=subprocess.PIPE, text=True,
-                               check=False)
-    lines = [line for line in built.stdout.splitlines() if line.startswith("seaweedfs=")]
-    if built.returncode == 0 and lines:
-        os.environ["STOWAWAY_WEED"] = str(Path(lines[-1].split("=", 1)[1]) / "weed")
+        try:
+            os.environ["STOWAWAY_WEED"] = str(bench_s3server.build_weed())
+        except bench_s3server.NoWeed as exc:
+            os.environ["STOWAWAY_WEED_MISSING"] = str(exc)
+        except RuntimeError:
+            return
 
 
 def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
@@ -105,7 +102,7 @@ def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Ite
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[s3server.S3Server]:
     """One SeaweedFS S3 server for the session; each test takes a bucket of its own (``s3_bucket``)."""
-    with s3server.running() as server:
+    with bench_s3server.running(s3server.weed_binary()) as server:
         yield server
 
 

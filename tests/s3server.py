@@ -1,40 +1,17 @@
-"""A real S3 server for the tests marked ``s3``: SeaweedFS's ``weed server -s3`` on free ports in a short temp dir.
-
-``tests/conftest.py`` builds ``weed`` (``hack/e2e/gobuild seaweedfs``) before
-the first such test and says where it is in ``$STOWAWAY_WEED``, or why it
-cannot be built in ``$STOWAWAY_WEED_MISSING`` (only when there is no Go
-toolchain: the tests are then skipped with that message).
-
-Three identities: ``admin`` creates buckets (SeaweedFS creates one on an
-admin's first upload), ``trainer`` is what the sidecar and the tools use: it
-may read, write and list, but not create buckets, so a missing bucket stays
-missing, as on a real service; ``reader`` may only read and list.
-"""
+"""The suite's S3 server (``bench.s3server``), with the ``weed`` that ``tests/conftest.py`` built before the first
+test marked ``s3``: it says where in ``$STOWAWAY_WEED``, or why it could not in ``$STOWAWAY_WEED_MISSING`` (only
+when there is no Go toolchain: the tests are then skipped with that message)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-import time
-from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
-import obstore
 import pytest
-from obstore.store import S3Store
 
-TRAINER = ("stowaway-trainer", "trainer-secret-0123456789")
-ADMIN = ("stowaway-admin", "admin-secret-0123456789")
-# May read and list only: a read-only bucket, as far as a sidecar using it can tell.
-READER = ("stowaway-reader", "reader-secret-0123456789")
-START_TIMEOUT = 60.0
+from bench.s3server import ADMIN, READER, TRAINER, S3Server
+
+__all__ = ["ADMIN", "READER", "TRAINER", "S3Server", "weed_binary"]
 
 
 def weed_binary() -> Path:
@@ -46,135 +23,3 @@ def weed_binary() -> Path:
         pytest.fail("$STOWAWAY_WEED is not set: tests/conftest.py builds weed before the first s3 test "
                     "(run hack/e2e/gobuild seaweedfs to see why it did not)")
     return Path(found)
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-class S3Server:
-    """One ``weed server -s3``; ``stop`` and ``start`` again keep its data and ports."""
-
-    def __init__(self, weed: Path) -> None:
-        self.weed = weed
-        self.root = Path(tempfile.mkdtemp(prefix="s3", dir="/tmp"))
-        (self.root / "data").mkdir()
-        self.ports = _free_ports(8)
-        self.endpoint = f"http://127.0.0.1:{self.ports[6]}"
-        config = {"identities": [
-            {"name": "admin", "credentials": [{"accessKey": ADMIN[0], "secretKey": ADMIN[1]}],
-             "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
-            {"name": "trainer", "credentials": [{"accessKey": TRAINER[0], "secretKey": TRAINER[1]}],
-             "actions": ["Read", "Write", "List", "Tagging"]},
-            {"name": "reader", "credentials": [{"accessKey": READER[0], "secretKey": READER[1]}],
-             "actions": ["Read", "List"]},
-        ]}
-        (self.root / "s3.json").write_text(json.dumps(config))
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> S3Server:
-        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = self.ports
-        command = [
-            str(self.weed), "server", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.telemetry=false",
-            # Each bucket is a collection that takes several volumes at once: room for many buckets, each
-            # volume small (and sparse on disk).
-            f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=300",
-            "-master.volumeSizeLimitMB=64",
-            f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            f"-s3.config={self.root / 's3.json'}",
-        ]
-        log = (self.root / "weed.log").open("ab")
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
-                                        start_new_session=True)
-        log.close()
-        return self
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def log(self) -> str:
-        return (self.root / "weed.log").read_text(errors="replace")[-4000:]
-
-    def store(self, bucket: str, identity: tuple[str, str] = TRAINER) -> S3Store:
-        return S3Store(bucket, endpoint=self.endpoint, access_key_id=identity[0], secret_access_key=identity[1],
-                       region="us-east-1", virtual_hosted_style_request=False,
-                       client_options={"allow_http": True},
-                       retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=5)})
-
-    def create_bucket(self, bucket: str) -> None:
-        """Create ``bucket`` (an admin's upload does), waiting for the server to take requests first."""
-        store = self.store(bucket, ADMIN)
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            try:
-                obstore.put(store, ".created", b"")
-                obstore.delete(store, ".created")
-                return
-            except Exception as exc:
-                if self.process is not None and self.process.poll() is not None:
-                    pytest.fail(f"weed exited with {self.process.returncode}:\n{self.log()}")
-                if time.monotonic() > deadline:
-                    pytest.fail(f"weed did not accept an upload within {START_TIMEOUT:.0f} s ({exc}):\n{self.log()}")
-                time.sleep(0.2)  # polling a server that is starting: nothing to wait on but its answer
-
-    def shell(self, command: str) -> str:
-        """Run one ``weed shell`` command against this server (the administrator's tool); its output."""
-        master, master_grpc = self.ports[:2]
-        done = subprocess.run([str(self.weed), "shell", f"-master=127.0.0.1:{master}.{master_grpc}"],
-                              input=command + "\n", capture_output=True, text=True, timeout=60, check=False)
-        if done.returncode != 0:
-            pytest.fail(f"weed shell {command!r} exited with {done.returncode}: {done.stderr[-2000:]}")
-        return done.stdout
-
-    def usage(self, bucket: str) -> float:
-        """How full ``bucket`` is against its quota, in percent, as the master last heard from the volumes."""
-        for line in self.shell("s3.bucket.list").splitlines():
-            fields = dict(field.split(":", 1) for field in line.split() if ":" in field)
-            if line.split() and line.split()[0] == bucket and "usage" in fields:
-                return float(fields["usage"].rstrip("%"))
-        return 0.0
-
-    def enforce_quota(self, bucket: str, megabytes: int | None) -> None:
-        """Give ``bucket`` a quota (None: none) and apply it now: SeaweedFS makes a bucket over its quota
-        read-only until the quota is raised, and its usage is only known once the volumes report it."""
-        if megabytes is None:
-            self.shell(f"s3.bucket.quota -name={bucket} -op=remove")
-        else:
-            self.shell(f"s3.bucket.quota -name={bucket} -op=set -sizeMB={megabytes}")
-        self.shell("s3.bucket.quota.enforce -apply")
-
-    def env(self) -> dict[str, str]:
-        """What a sidecar or the CLI needs in its environment to reach the server as ``trainer``."""
-        return {"AWS_ACCESS_KEY_ID": TRAINER[0], "AWS_SECRET_ACCESS_KEY": TRAINER[1],
-                "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1"}
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def running() -> Iterator[S3Server]:
-    server = S3Server(weed_binary()).start()
-    try:
-        yield server
-    finally:
-        server.close()

@@ -7,6 +7,7 @@ quiet machine, recorded in docs/benchmarks.md.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,11 +31,11 @@ def measured_keys(rows: set[str]) -> set[str]:
     return rows | {key.removesuffix(".cpu") + ".cpu_all" for key in rows if key.endswith(".cpu")}
 
 
-def run_bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def run_bench(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "bench", "--sizes", "8M", "--reps", "2", "--storage", str(tmp_path / "storage"),
          "--out", str(tmp_path / "out"), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=540,
+        cwd=ROOT, capture_output=True, text=True, timeout=540, env={**os.environ, **(env or {})},
     )
 
 
@@ -63,6 +64,22 @@ def test_the_benchmark_harness_measures_everything_for_each_rank_count_in_a_smal
     assert finished.returncode == 0, finished.stderr[-4000:]
     assert "DLRover is not installed in this Python" in finished.stderr
     assert_everything_measured(tmp_path, [1, 2], measured_keys({key for key, _ in report.ROWS} - GPU_ONLY - DLROVER))
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_benchmark_harness_measures_the_bucket_tier_in_the_same_run(tmp_path, s3_server, s3_bucket):
+    target = f"s3://{s3_bucket}/h"
+    finished = run_bench(tmp_path, "--ranks", "1", "--bucket", target, "--bucket-sizes", "8M", env=s3_server.env())
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    (uploads,) = json.loads((tmp_path / "out" / "bucket.json").read_text())["results"]
+    assert uploads["bytes"] == 8 * 2**20
+    assert set(uploads["seconds"]) == {"upload", "reference_upload", "restore", "reference_download"}
+    assert all(len(values) == 2 for values in uploads["seconds"].values())
+    markdown = (tmp_path / "out" / "results.md").read_text()
+    assert f"### Bucket tier against {target}" in markdown and "| size | upload MB/s |" in markdown
+    assert "save blocking / copy reference" in markdown, "the bucket rows come with the rest of the run"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the GPU run itself is tested instead")
