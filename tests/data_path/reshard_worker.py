@@ -119,7 +119,8 @@ def main() -> None:
             optimizer.load_state_dict(state["optimizer"])
         restore = ckpt.last_restore
         (out / f"{mode}-{rank}.json").write_text(json.dumps(
-            None if restore is None else {"saved_by": restore.saved_by, "bytes_read": restore.bytes_read}))
+            None if restore is None else {"saved_by": restore.saved_by, "bytes_read": restore.bytes_read,
+                                          "source": restore.source}))
     whole = gathered(model, optimizer)
     if mode != "save":
         trained_step(model, optimizer, 3)

@@ -10,22 +10,35 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from data_path.processes import local_job
+from data_path.processes import SidecarProcess, local_job
+from stowaway.slots import header
 from stowaway.storage import layout
 
 WORKER = Path(__file__).with_name("reshard_worker.py")
 
 
 def job(storage: Path, ranks: int, mode: str, out: Path, shape: str = "fsdp", step: int = 2) -> list[dict]:
+    """A job with a sidecar of its own, as ``stowaway run`` starts it: a new pod, nothing in shared memory."""
+    return finished(local_job(storage, "elastic", ranks, WORKER, mode, str(out), shape, str(step)), ranks, mode, out)
+
+
+def torchrun_beside(sidecar: SidecarProcess, ranks: int, mode: str, out: Path) -> list[dict]:
+    """A job next to a sidecar that outlives it: a restart on the same pod, its slots still in shared memory."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               str(WORKER), mode, str(out), "fsdp", "2"]
+    return finished(command, ranks, mode, out, STOWAWAY_SOCKET=str(sidecar.socket), STOWAWAY_JOB="elastic")
+
+
+def finished(command: list[str], ranks: int, mode: str, out: Path, **env: str) -> list[dict]:
     out.mkdir(exist_ok=True)
-    done = subprocess.run(local_job(storage, "elastic", ranks, WORKER, mode, str(out), shape, str(step)),
-                          capture_output=True,
-                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    done = subprocess.run(command, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **env), timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return [json.loads((out / f"{mode}-{rank}.json").read_text()) for rank in range(ranks)]
 
@@ -56,15 +69,42 @@ def test_fsdp2_saved_on_4_ranks_loads_on_2_3_and_4_bit_identical_reading_only_ov
         restores = job(storage, ranks, mode, out)
         assert_identical(saved, torch.load(out / f"{mode}.pt"))
         if ranks == 4:
-            assert restores == [{"saved_by": 4, "bytes_read": size} for size in files], \
+            assert restores == [{"saved_by": 4, "bytes_read": size, "source": "storage"} for size in files], \
                 "on the same world size each rank reads its own file whole"
             continue
-        assert [restore["saved_by"] for restore in restores] == [4] * ranks
+        assert [(restore["saved_by"], restore["source"]) for restore in restores] == [(4, "storage")] * ranks
         read = [restore["bytes_read"] for restore in restores]
         # Each rank reads its share of the tensor bytes, plus the headers and at most a piece each side of a range.
         share = sum(files) / ranks
         assert all(count < share + 4 * 256 * 2**10 + sum(files) * 0.1 for count in read), (read, files)
         assert all(count < sum(files) * 0.75 for count in read), (read, files)
+
+
+@pytest.mark.timeout(900)
+def test_a_restart_on_the_same_pod_with_fewer_or_more_ranks_reshards_from_shared_memory(start_sidecar, short_tmp):
+    sidecar = start_sidecar()
+    torchrun_beside(sidecar, 4, "save", short_tmp / "saved")
+    saved = torch.load(short_tmp / "saved" / "save.pt")
+    for ranks, mode in ((2, "load"), (3, "load_into")):
+        out = short_tmp / f"on{ranks}"
+        restores = torchrun_beside(sidecar, ranks, mode, out)
+        assert_identical(saved, torch.load(out / f"{mode}.pt"))
+        assert restores == [{"saved_by": 4, "bytes_read": 0, "source": "memory"}] * ranks, \
+            "every range came from the old ranks' slots, none from storage"
+
+    # A slot that no longer holds what the manifest says: the new ranks read the step from storage instead.
+    for path in sidecar.shm_dir.glob("elastic.rank00003.slot*"):
+        found = header.read(path.read_bytes()[: header.HEADER_BYTES])
+        if found.complete and found.step == 2:
+            with path.open("r+b") as handle:
+                handle.seek(header.HEADER_BYTES + found.payload_nbytes // 2)
+                byte = handle.read(1)[0]
+                handle.seek(-1, os.SEEK_CUR)
+                handle.write(bytes([byte ^ 0x01]))
+    restores = torchrun_beside(sidecar, 2, "load", short_tmp / "rewritten")
+    assert_identical(saved, torch.load(short_tmp / "rewritten" / "load.pt"))
+    assert restores[1]["source"] == "storage" and restores[1]["bytes_read"] > 0, \
+        f"rank 1 reads saved rank 3's rows, whose slot was changed: {restores}"
 
 
 @pytest.mark.timeout(600)

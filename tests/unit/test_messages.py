@@ -107,6 +107,7 @@ WIRE = [
     (TO_SIDECAR, {"type": "query"}),
     (TO_SIDECAR, {"type": "stage", "step": 7, "slot": 0}),
     (TO_SIDECAR, {"type": "open", "step": 7, "ranks": [0, 3]}),
+    (TO_SIDECAR, {"type": "open", "step": 7, "ranks": [0, 3], "from_memory": True}),
     (TO_SIDECAR, {"type": "restored", "step": 7, "source": "memory", "seconds": 0.031}),
     (TO_SIDECAR, {"type": "restored", "step": 7, "source": "storage", "seconds": 2}),
     (TO_CLIENT, {"type": "welcome", "protocol": 1, "node": "node-a", "busy": [0, 2], "shm_dir": "/dev/shm"}),
@@ -120,6 +121,7 @@ WIRE = [
                  "other_world": [{"step": 9, "world_size": 8}]}),
     (TO_CLIENT, {"type": "staged", "step": 7, "slot": 0, "generation": 4, "nbytes": 100}),
     (TO_CLIENT, {"type": "opened", "step": 7, "ranks": [0, 3], "reason": None}),
+    (TO_CLIENT, {"type": "opened", "step": 7, "ranks": [0, 3], "reason": None, "payload_offsets": [4096, 0]}),
     (TO_CLIENT, {"type": "opened", "step": 7, "ranks": [], "reason": "step 7 cannot be opened"}),
     (TO_CLIENT, {"type": "error", "reason": "hello sent twice on one connection"}),
 ]
@@ -191,3 +193,11 @@ def test_an_open_naming_more_files_than_one_message_can_pass_is_refused():
         messages.decode({"type": "open", "step": 1, "ranks": list(range(253))}, TO_SIDECAR)
     with pytest.raises(messages.MessageError, match=r"open names 1 ranks"):
         messages.decode({"type": "open", "step": 1, "ranks": [-1]}, TO_SIDECAR)
+
+
+def test_an_open_from_memory_takes_a_boolean_and_its_answer_one_offset_per_rank():
+    with pytest.raises(messages.MessageError, match=r"open.from_memory must be bool or NoneType, got str"):
+        messages.decode({"type": "open", "step": 1, "ranks": [0], "from_memory": "yes"}, TO_SIDECAR)
+    with pytest.raises(messages.MessageError, match=r"opened gives 1 payload offsets for 2 ranks"):
+        messages.decode({"type": "opened", "step": 1, "ranks": [0, 1], "reason": None, "payload_offsets": [0]},
+                        TO_CLIENT)

@@ -91,10 +91,12 @@ class Link:
                                          f"{message.TYPE}: {self._connection.last_error}")
             return self._answers.pop(answer)
 
-    def open_files(self, step: int, ranks: tuple[int, ...]) -> tuple[messages.Opened, list[int]]:
-        """Ask the sidecar to open committed ``step``'s manifest and the files of ``ranks``; the answer and its
-        descriptors (the caller closes them), none when ``reason`` says why they could not be opened."""
-        answer = self.request(("open", 0), messages.Open(step=step, ranks=ranks))
+    def open_files(self, step: int, ranks: tuple[int, ...],
+                   from_memory: bool = False) -> tuple[messages.Opened, list[int]]:
+        """Ask the sidecar to open committed ``step``'s manifest and the files of ``ranks`` (or, ``from_memory``,
+        the slots still holding them); the answer and its descriptors (the caller closes them), none when
+        ``reason`` says why they could not be opened."""
+        answer = self.request(("open", 0), messages.Open(step=step, ranks=ranks, from_memory=from_memory or None))
         assert isinstance(answer, messages.Opened)
         with self._lock:
             fds, self._opened_fds = self._opened_fds, []

@@ -1,7 +1,8 @@
 """``load()`` of a step saved by another number of ranks: each rank assembles its new shards from stored ranges.
 
 In order: the sidecar opens the step's manifest and every saved rank's file
-and passes the descriptors (``Link.open_files``); the rank reads and checks
+(or the slot that still holds it, on a restart in the same pod) and passes
+the descriptors (``Link.open_files``); the rank reads and checks
 each file's header (its state tree and tensor offsets); it applies the rule
 for what is not sharded; it plans, per DTensor, the regions of saved shards
 its new shard is made of (``format.reshard``); it reads exactly those byte
@@ -24,6 +25,7 @@ file would multiply the bytes read by the saved ranks.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -42,24 +44,47 @@ from stowaway.storage import manifest
 
 CHECKED_PLAIN_BYTES = 64 * 2**10
 
+log = logging.getLogger("stowaway")
+
 
 class Resharder:
     def __init__(self, job: str, rank: int, world_size: int, allow_pickle: bool, link: Link) -> None:
         self._job, self._rank, self._world_size = job, rank, world_size
         self._allow_pickle = allow_pickle
         self._link = link
+        # Whether the last attempt read any saved rank's file from a slot.
+        self._read_memory = False
 
-    def load(self, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> tuple[Any, int]:
-        """The state of ``step`` resharded onto this rank, and the bytes it read from storage."""
-        counter = ReadCounter()
-        files = self._open(step, counter)
+    def load(self, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> tuple[Any, int, bool]:
+        """The state of ``step`` resharded onto this rank, the bytes it read from storage, and whether every
+        saved rank's file came from a slot in shared memory rather than from storage.
+
+        Slots the sidecar still holds are read first; where one does not
+        match the manifest (a slot rewritten since, say), the whole step is
+        read again from storage, ``into``'s tensors included.
+        """
         try:
-            return self._assembled(step, files, map_location, meshes, into), counter.bytes
-        finally:
-            for stored in files.values():
-                stored.close()
+            return self._load(step, map_location, meshes, into, from_memory=True)
+        except (CheckpointCorrupt, st.HeaderError) as exc:
+            if not self._read_memory:
+                raise
+            log.warning("rank %d: step %d in shared memory does not match its manifest (%s); reading it from "
+                        "storage", self._rank, step, exc)
+            return self._load(step, map_location, meshes, into, from_memory=False)
 
-    def _open(self, step: int, counter: ReadCounter) -> dict[int, StoredFile]:
+    def _load(self, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any,
+              from_memory: bool) -> tuple[Any, int, bool]:
+        stored, memory = ReadCounter(), ReadCounter()
+        files = self._open(step, stored, memory, from_memory)
+        self._read_memory = any(file.base for file in files.values())
+        try:
+            state = self._assembled(step, files, map_location, meshes, into)
+            return state, stored.bytes, all(file.base for file in files.values())
+        finally:
+            for file in files.values():
+                file.close()
+
+    def _open(self, step: int, stored: ReadCounter, memory: ReadCounter, from_memory: bool) -> dict[int, StoredFile]:
         where = Path(f"step {step} of job {self._job}")
         opened, fds = self._link.open_files(step, ())
         if opened.reason is not None:
@@ -76,16 +101,20 @@ class Resharder:
         try:
             for first in range(0, len(ranks), messages.MAX_FILES_PER_OPEN):
                 batch = tuple(ranks[first : first + messages.MAX_FILES_PER_OPEN])
-                opened, fds = self._link.open_files(step, batch)
+                opened, fds = self._link.open_files(step, batch, from_memory)
                 if opened.reason is not None:
                     raise SaveFailed(opened.reason)
                 os.close(fds[0])
-                for rank, fd in zip(batch, fds[1:], strict=True):
+                bases = opened.payload_offsets or (0,) * len(batch)
+                for rank, fd, base in zip(batch, fds[1:], bases, strict=True):
                     entry = found.file_for(rank)
-                    files[rank] = StoredFile(fd, entry, where / entry.name, counter)
+                    if base:
+                        files[rank] = StoredFile(fd, entry, where / f"slot of rank {rank}", memory, base)
+                    else:
+                        files[rank] = StoredFile(fd, entry, where / entry.name, stored)
         except BaseException:
-            for stored in files.values():
-                stored.close()
+            for file in files.values():
+                file.close()
             raise
         return files
 

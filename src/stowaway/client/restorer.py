@@ -114,8 +114,8 @@ class Restorer:
             try:
                 slot = self._slots.pool.slots[in_memory[candidate]] if candidate in in_memory else None
                 if candidate in other_world:
-                    source = "storage"
-                    state, bytes_read = self._resharder.load(candidate, map_location, meshes, into)
+                    state, bytes_read, all_in_memory = self._resharder.load(candidate, map_location, meshes, into)
+                    source = "memory" if all_in_memory else "storage"
                 elif slot is not None and _header_holding(slot, candidate) is not None:
                     state = self._read_slot(slot, candidate, map_location, meshes, into)
                 else:

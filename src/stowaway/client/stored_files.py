@@ -12,6 +12,10 @@ Pieces read only in part for a range (its first and last) are kept, a few
 per file, checked: the next range often lies in them (small tensors sit
 together), and is then served without reading again.
 
+Where the sidecar's shared memory still holds a file (a restart on the same
+pod with another number of ranks), it passes the slot instead, and the same
+ranges are read from behind the slot's header, checked the same way.
+
 A file of a manifest without pieces (format version 1) can only be checked
 whole: its first read reads and checks all of it, and later reads are served
 from that copy.
@@ -32,10 +36,12 @@ KEPT_PIECES = 16
 class StoredFile:
     """One rank's file of a committed step, open read-only; ``read`` returns checked bytes."""
 
-    def __init__(self, fd: int, entry: manifest.FileEntry, where: Path, counter: ReadCounter) -> None:
+    def __init__(self, fd: int, entry: manifest.FileEntry, where: Path, counter: ReadCounter, base: int = 0) -> None:
         self.fd = fd
         self.entry = entry
         self.where = where
+        # Where the file's bytes begin behind ``fd``: 0 for the stored file, past the header for a slot holding it.
+        self.base = base
         self._counter = counter
         self._pieces = entry.checked_pieces
         self._whole: bytearray | None = None
@@ -87,7 +93,7 @@ class StoredFile:
         checks where they differ. A file checked whole is read whole anyway, and served from that copy."""
         if self._pieces is None:
             return bytes(self.read(begin, end))
-        data = os.pread(self.fd, end - begin, begin)
+        data = os.pread(self.fd, end - begin, self.base + begin)
         self._counter.bytes += len(data)
         return data
 
@@ -108,7 +114,7 @@ class StoredFile:
                     continue
                 pending.append(buffer[skip:])
                 skip = 0
-            count = os.preadv(self.fd, pending, offset + done)
+            count = os.preadv(self.fd, pending, self.base + offset + done)
             if count == 0:
                 raise CheckpointCorrupt(f"{self.where} ends at byte {offset + done}, where the manifest says it "
                                         f"holds {self.entry.bytes}")
@@ -139,7 +145,8 @@ class StoredFile:
             whole = bytearray(self.entry.bytes)
             self._preadv([memoryview(whole)], 0)
             digest = checksum.of_bytes(memoryview(whole))
-            if os.fstat(self.fd).st_size != self.entry.bytes or digest != self.entry.xxh3_64:
+            size = os.fstat(self.fd).st_size - self.base
+            if (size != self.entry.bytes and self.base == 0) or digest != self.entry.xxh3_64:
                 raise CheckpointCorrupt(f"{self.where} does not match the manifest's size and xxh3-64 checksum; "
                                         "`stowaway verify` names what differs")
             self._whole = whole
@@ -147,7 +154,7 @@ class StoredFile:
 
 
 class ReadCounter:
-    """Bytes read from storage by one restore: what ``Restore.bytes_read`` reports."""
+    """Bytes read by one restore, from storage (what ``Restore.bytes_read`` reports) or from slots."""
 
     def __init__(self) -> None:
         self.bytes = 0

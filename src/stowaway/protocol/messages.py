@@ -196,6 +196,9 @@ class Open(ToSidecar):
     TYPE: ClassVar[str] = "open"
     step: Int64
     ranks: tuple[int, ...]
+    # Where a slot in the sidecar's shared memory still holds a rank's file of the step, pass the slot instead:
+    # a restart on the same pod with fewer or more ranks then reads nothing from storage.
+    from_memory: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -311,6 +314,14 @@ class Opened(ToClient):
     step: Int64
     ranks: tuple[int, ...]
     reason: str | None
+    # Per rank file, where its bytes begin in the descriptor: 0 for a stored file, the slot header's size for
+    # a slot passed instead (``from_memory``); absent means every descriptor is a stored file.
+    payload_offsets: tuple[Int64, ...] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.payload_offsets is not None and len(self.payload_offsets) != len(self.ranks):
+            raise MessageError(f"opened gives {len(self.payload_offsets)} payload offsets for {len(self.ranks)} ranks")
 
     @property
     def descriptors(self) -> int:
@@ -419,7 +430,7 @@ _OPTIONAL: dict[type[Record], frozenset[str]] = {}
 
 def _typed(hint: object, value: object, where: str) -> object:
     """``value`` checked against the annotation ``hint``; JSON lists and objects become tuples and records."""
-    if value.__class__ is bool and hint is not bool:
+    if value.__class__ is bool and hint is not bool and bool not in typing.get_args(hint):
         raise MessageError(f"{where} must be {_describe(hint)}, got a boolean")
     if typing.get_origin(hint) is Annotated:
         base, *constraints = typing.get_args(hint)

@@ -4,7 +4,9 @@ The storage volume is mounted only into the sidecar, so a rank restoring from
 storage onto the CPU has the sidecar open its file read-only and pass the
 descriptor (``open_step``), and reads and checks the file itself; a rank
 that reshards a step saved by another number of ranks does the same with
-byte ranges of several ranks' files. A rank restoring onto a GPU, or one that
+byte ranges of several ranks' files, or of the old ranks' slots where the
+sidecar's shared memory still holds them (``MemorySource``). A rank
+restoring onto a GPU, or one that
 found its file corrupt, hands a slot to the sidecar instead, which reads the
 file into it while checking the manifest's checksum (``stage``), and sets a
 corrupt step aside; the rank then restores from memory as usual.
@@ -13,12 +15,13 @@ corrupt step aside; the rank then restores from memory as usual.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from stowaway.protocol import messages
 from stowaway.sidecar.persister import PersistError
 from stowaway.sidecar.ranks import RankState
-from stowaway.slots import header
+from stowaway.slots import header, naming
 from stowaway.storage import catalog, checksum, direct_io, layout, manifest
 
 MAX_LISTED_STEPS = 64
@@ -113,24 +116,76 @@ def stage(job_path: Path, state: RankState, index: int, step: int, direct: bool)
     return generation, entry.bytes
 
 
-def open_step(job_path: Path, step: int, ranks: tuple[int, ...]) -> list[int]:
-    """Read-only descriptors of committed ``step``'s manifest and of the files of ``ranks``, in that order.
+def open_step(job_path: Path, step: int, ranks: tuple[int, ...],
+              memory: MemorySource | None = None) -> tuple[list[int], list[int]]:
+    """Read-only descriptors of committed ``step``'s manifest and of the files of ``ranks``, in that order, and
+    per rank file where its bytes begin in its descriptor.
 
-    Raises ``PersistError`` when the step is not committed, names no such
-    rank, or a file cannot be opened; nothing stays open then.
+    With ``memory``, a rank whose slot in shared memory holds the step (its
+    header says so, for as many bytes as the manifest's file) is served
+    from the slot, its bytes beginning after the slot header: the rank
+    checks every range it reads against the manifest's piece checksums
+    either way. Raises ``PersistError`` when the step is not committed,
+    names no such rank, or a file cannot be opened; nothing stays open then.
     """
     step_path = layout.step_dir(job_path, step)
     try:
         found = manifest.read_manifest(step_path)
-        names = [found.file_for(rank).name for rank in ranks]
+        entries = [found.file_for(rank) for rank in ranks]
     except manifest.ManifestError as exc:
         raise PersistError("restore_missing", f"step {step} cannot be opened: {exc}") from exc
     opened: list[int] = []
+    offsets: list[int] = []
     try:
-        for path in [step_path / layout.MANIFEST, *(step_path / name for name in names)]:
-            opened.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+        opened.append(os.open(step_path / layout.MANIFEST, os.O_RDONLY | os.O_CLOEXEC))
+        for entry in entries:
+            slot_fd = memory.slot_holding(entry, step) if memory is not None else None
+            if slot_fd is not None:
+                opened.append(slot_fd)
+                offsets.append(header.HEADER_BYTES)
+            else:
+                opened.append(os.open(step_path / entry.name, os.O_RDONLY | os.O_CLOEXEC))
+                offsets.append(0)
     except OSError as exc:
         for fd in opened:
             os.close(fd)
         raise PersistError("restore_io", f"cannot open {exc.filename} of step {step}: {exc.strerror}") from exc
-    return opened
+    return opened, offsets
+
+
+@dataclass(frozen=True)
+class MemorySource:
+    """The slots of a job's ranks in the sidecar's shared-memory directory, whoever holds them now.
+
+    A job restarted on the same pod with another number of ranks finds the
+    old ranks' slots there; those of ranks that no longer exist have no
+    connection, so they are found by name. Only files owned by the asking
+    rank's user are passed (as ``register`` requires), so a peer can never
+    read another user's memory through the sidecar. Nobody writes them
+    meanwhile: the old ranks are gone, and the new ranks write no slot
+    before every rank has finished ``load()`` (the ranks agree on its
+    outcome through their process group).
+    """
+
+    shm_dir: Path
+    job: str
+    peer_uid: int
+
+    def slot_holding(self, entry: manifest.FileEntry, step: int) -> int | None:
+        """A read-only descriptor of a slot of ``entry``'s rank holding ``step`` whole, or None."""
+        for path in sorted(self.shm_dir.glob(naming.rank_slot_glob(self.job, entry.rank))):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                owner = os.fstat(fd).st_uid
+                found = header.read(os.pread(fd, header.HEADER_BYTES, 0))
+            except (OSError, header.SlotHeaderError):
+                os.close(fd)
+                continue
+            if (self.peer_uid in (0, owner) and found.complete and found.step == step
+                    and found.payload_nbytes == entry.bytes):
+                return fd
+            os.close(fd)
+        return None

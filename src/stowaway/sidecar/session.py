@@ -176,17 +176,22 @@ class Session:
 
     @_HANDLERS.on(messages.Open)
     async def _open(self, message: messages.Open) -> None:
-        """Pass read-only descriptors of a committed step's files: the storage is not mounted where the rank runs."""
+        """Pass read-only descriptors of a committed step's files (the storage is not mounted where the rank runs),
+        or of the slots that still hold them where the rank asks ``from_memory``."""
         state = self._rank()
+        memory = (restore.MemorySource(self._sidecar.config.shm_dir, state.job, self._peer_uid)
+                  if message.from_memory else None)
         try:
-            fds = await asyncio.to_thread(restore.open_step, self._sidecar.committer.job_path(state.job),
-                                          message.step, message.ranks)
+            fds, offsets = await asyncio.to_thread(restore.open_step, self._sidecar.committer.job_path(state.job),
+                                                   message.step, message.ranks, memory)
         except PersistError as exc:
             self._sidecar.stats.failed(exc.kind)
             self.send(messages.Opened(step=message.step, ranks=message.ranks, reason=str(exc)))
             return
+        answer = messages.Opened(step=message.step, ranks=message.ranks, reason=None,
+                                 payload_offsets=tuple(offsets) if memory is not None else None)
         try:
-            await self.send_with_files(messages.Opened(step=message.step, ranks=message.ranks, reason=None), fds)
+            await self.send_with_files(answer, fds)
         finally:
             for fd in fds:
                 os.close(fd)

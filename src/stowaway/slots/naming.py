@@ -16,3 +16,7 @@ def slot_path(shm_dir: str | Path, job: str, rank: int, slot: int) -> Path:
 
 def job_slot_glob(job: str) -> str:
     return f"{job}.rank*.slot*"
+
+
+def rank_slot_glob(job: str, rank: int) -> str:
+    return f"{job}.rank{rank:05d}.slot*"
