@@ -17,6 +17,13 @@ dropped from the page cache first:
 
 Each time is the slowest rank's. Medians and ratios of medians are printed
 (issue 24's targets: into the state ≤ 1.3x the reference, and below DCP).
+
+Then the same pod: a job of ``--saved`` ranks saves next to a sidecar that
+outlives it, and a job of each ``--onto`` count restores next to the same
+sidecar, from the old ranks' slots in shared memory (``load`` into new
+tensors and ``into`` the state's own), against the copy-out reference: a
+``pread`` of the rank's share of the saved bytes from the slot files into a
+resident buffer.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch
 
 from bench import state as state_mod
 from bench import system, worker
+from stowaway.cli import run_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = "reshard"
@@ -107,45 +115,137 @@ def run_worker(args: argparse.Namespace) -> None:
         dist.barrier()
 
     with Checkpointer(timeout=1800) as ckpt:
-        if args.worker == "save":
+        if args.worker == "load_memory":
+            measure_from_memory(args, ckpt, training, mesh, timed)
+        elif args.worker == "save":
             ckpt.save(1, training).wait()
             dcp.save(training, checkpoint_id=dcp_dir)
             dist.barrier()
             dist.destroy_process_group()
             return
-        files = sorted((storage / JOB).glob("step-*/rank-*.safetensors"))
-        buffer = mmap.mmap(-1, CHUNK_BYTES)
-        for _ in range(args.reps):
-            dropped_from_cache()
-            system.release_free_heap()
-            restored = timed("stowaway.load", lambda: ckpt.load(device_mesh=mesh))
-            assert restored is not None and restored[0] == 1, restored
-            del restored
-            restore = ckpt.last_restore
-            assert restore is not None and restore.saved_by == args.saved and restore.bytes_read > 0, restore
-            dropped_from_cache()
-            timed("stowaway.load_into", lambda: ckpt.load(into=training))
-            dropped_from_cache()
-            timed("reference.read_direct",
-                  lambda nbytes=restore.bytes_read: read_reference(files, nbytes, rank, buffer))
-            dropped_from_cache()
-            timed("dcp.load", lambda: dcp.load(training, checkpoint_id=dcp_dir))
+        else:
+            measure_from_storage(args, ckpt, training, mesh, timed, dropped_from_cache, rank)
     if rank == 0:
         Path(args.out).write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def job(storage: Path, ranks: int, mode: str, total: int, saved: int, reps: int, out: Path) -> None:
+def measure_from_storage(args: argparse.Namespace, ckpt: Any, training: Any, mesh: Any,
+                         timed: Callable[[str, Callable[[], Any]], Any], dropped_from_cache: Callable[[], None],
+                         rank: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    storage, dcp_dir = Path(args.storage), Path(args.storage) / "dcp"
+    files = sorted((storage / JOB).glob("step-*/rank-*.safetensors"))
+    buffer = mmap.mmap(-1, CHUNK_BYTES)
+    for _ in range(args.reps):
+        dropped_from_cache()
+        system.release_free_heap()
+        restored = timed("stowaway.load", lambda: ckpt.load(device_mesh=mesh))
+        assert restored is not None and restored[0] == 1, restored
+        del restored
+        restore = ckpt.last_restore
+        assert restore is not None and restore.saved_by == args.saved and restore.bytes_read > 0, restore
+        dropped_from_cache()
+        timed("stowaway.load_into", lambda: ckpt.load(into=training))
+        dropped_from_cache()
+        timed("reference.read_direct",
+              lambda nbytes=restore.bytes_read: read_reference(files, nbytes, rank, buffer))
+        dropped_from_cache()
+        timed("dcp.load", lambda: dcp.load(training, checkpoint_id=dcp_dir))
+
+
+def measure_from_memory(args: argparse.Namespace, ckpt: Any, training: Any, mesh: Any,
+                        timed: Callable[[str, Callable[[], Any]], Any]) -> None:
+    """Restores from the old ranks' slots, and the copy-out of this rank's share of their bytes."""
+    import torch.distributed as dist
+
+    slots = sorted(Path(args.shm_dir).glob(f"{JOB}.rank*.slot*"))
+    share = sum(path.stat().st_size for path in slots) // 2 // dist.get_world_size()
+    buffer = mmap.mmap(-1, share)
+    for _ in range(args.reps):
+        system.release_free_heap()
+        restored = timed("stowaway.load", lambda: ckpt.load(device_mesh=mesh))
+        assert restored is not None and restored[0] == 1, restored
+        del restored
+        restore = ckpt.last_restore
+        assert restore is not None and restore.source == "memory" and restore.bytes_read == 0, restore
+        timed("stowaway.load_into", lambda: ckpt.load(into=training))
+        timed("reference.copy_out", lambda: copy_out(slots, share, buffer))
+
+
+def copy_out(slots: list[Path], nbytes: int, buffer: mmap.mmap) -> None:
+    """``pread`` ``nbytes`` of the slot files into ``buffer``, file after file."""
+    view, done = memoryview(buffer), 0
+    for path in slots:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            offset = 0
+            while done < nbytes:
+                count = os.preadv(fd, [view[done:nbytes]], offset)
+                if count == 0:
+                    break
+                done, offset = done + count, offset + count
+        finally:
+            os.close(fd)
+        if done >= nbytes:
+            return
+
+
+def worker_command(ranks: int, mode: str, total: int, saved: int, reps: int, storage: Path, out: Path,
+                   shm_dir: Path | None = None) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               "-m", "bench.reshard", "--worker", mode, "--total", str(total), "--saved", str(saved),
+               "--reps", str(reps), "--storage", str(storage), "--out", str(out)]
+    return command + (["--shm-dir", str(shm_dir)] if shm_dir is not None else [])
+
+
+def run(command: list[str], ranks: int, **env: str) -> None:
     python_path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-    env = dict(os.environ, PYTHONPATH=python_path, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)))
-    subprocess.run(
-        [sys.executable, "-m", "stowaway", "run", "--storage", str(storage), "--job", JOB, "--",
-         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-         "-m", "bench.reshard", "--worker", mode, "--total", str(total), "--saved", str(saved), "--reps", str(reps),
-         "--storage", str(storage), "--out", str(out)],
-        env=env, check=True, cwd=ROOT,
-    )
+    subprocess.run(command, env=dict(os.environ, PYTHONPATH=python_path,
+                                     OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)), **env),
+                   check=True, cwd=ROOT)
+
+
+def job(storage: Path, ranks: int, mode: str, total: int, saved: int, reps: int, out: Path) -> None:
+    """A job under ``stowaway run``: a sidecar of its own, as a new pod has, nothing in shared memory."""
+    run([sys.executable, "-m", "stowaway", "run", "--storage", str(storage), "--job", JOB, "--",
+         *worker_command(ranks, mode, total, saved, reps, storage, out)], ranks)
+
+
+def same_pod(storage: Path, total: int, args: argparse.Namespace, workdir: Path) -> None:
+    """Save, then restore on each ``--onto`` count, next to one sidecar that outlives the jobs (a restart on the
+    same pod): the restores read the old ranks' slots."""
+    shm_dir = Path(tempfile.mkdtemp(prefix="stwr-", dir="/dev/shm"))
+    socket_path = workdir / "pod.sock"
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(storage), "--socket", str(socket_path),
+         "--shm-dir", str(shm_dir), "--log-level", "WARNING"], start_new_session=True)
+    try:
+        run_cmd.wait_for_socket(sidecar, socket_path)
+        beside = {"STOWAWAY_SOCKET": str(socket_path), "STOWAWAY_JOB": JOB}
+        run(worker_command(args.saved, "save", total, args.saved, args.reps, storage, workdir / "pod-save.json"),
+            args.saved, **beside)
+        for ranks in (int(count) for count in args.onto.split(",")):
+            out = workdir / f"pod-onto-{ranks}.json"
+            run(worker_command(ranks, "load_memory", total, args.saved, args.reps, storage, out, shm_dir), ranks,
+                **beside)
+            report(f"{args.mib} MiB saved on {args.saved} ranks, restored on {ranks} from shared memory:", out, (
+                ("into the state / copy-out reference", "stowaway.load_into", "reference.copy_out"),
+                ("into new tensors / copy-out reference", "stowaway.load", "reference.copy_out")))
+    finally:
+        run_cmd.stop_sidecar(sidecar, 60)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def report(title: str, out: Path, ratios: tuple[tuple[str, str, str], ...]) -> None:
+    medians = {name: statistics.median(values) for name, values in json.loads(out.read_text()).items()}
+    print(title)
+    for name, value in medians.items():
+        print(f"  {name:22s} median {value * 1e3:8.1f} ms")
+    for label, numerator, denominator in ratios:
+        print(f"  {label}: {medians[numerator] / medians[denominator]:.2f}")
 
 
 def main() -> None:
@@ -155,9 +255,10 @@ def main() -> None:
     parser.add_argument("--onto", default="2,6", help="rank counts of the jobs that restore, comma-separated")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--storage", type=Path, default=None, help="a directory on the disk to measure (emptied)")
-    parser.add_argument("--worker", choices=("save", "load"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("save", "load", "load_memory"), help=argparse.SUPPRESS)
     parser.add_argument("--total", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--shm-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         run_worker(args)
@@ -170,15 +271,11 @@ def main() -> None:
         for ranks in (int(count) for count in args.onto.split(",")):
             out = workdir / f"onto-{ranks}.json"
             job(storage, ranks, "load", total, args.saved, args.reps, out)
-            medians = {name: statistics.median(values) for name, values in json.loads(out.read_text()).items()}
-            print(f"{args.mib} MiB saved on {args.saved} ranks, restored on {ranks}:")
-            for name, value in medians.items():
-                print(f"  {name:22s} median {value * 1e3:8.1f} ms")
-            for label, numerator, denominator in (
-                    ("into the state / O_DIRECT read reference", "stowaway.load_into", "reference.read_direct"),
-                    ("into the state / DCP load", "stowaway.load_into", "dcp.load"),
-                    ("into new tensors / DCP load", "stowaway.load", "dcp.load")):
-                print(f"  {label}: {medians[numerator] / medians[denominator]:.2f}")
+            report(f"{args.mib} MiB saved on {args.saved} ranks, restored on {ranks}:", out, (
+                ("into the state / O_DIRECT read reference", "stowaway.load_into", "reference.read_direct"),
+                ("into the state / DCP load", "stowaway.load_into", "dcp.load"),
+                ("into new tensors / DCP load", "stowaway.load", "dcp.load")))
+        same_pod(storage / "same-pod", total, args, workdir)
     finally:
         shutil.rmtree(storage, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)

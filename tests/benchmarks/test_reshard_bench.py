@@ -1,4 +1,5 @@
-"""The resharding benchmark runs end to end (torchrun jobs, a sidecar each) and reports every measurement.
+"""The resharding benchmark runs end to end (torchrun jobs, a sidecar each, then one sidecar for a restart on the
+same pod) and reports every measurement.
 
 Timings are not asserted: the numbers come from runs on a quiet machine (docs/benchmarks.md).
 """
@@ -14,6 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = ("stowaway.load", "stowaway.load_into", "reference.read_direct", "dcp.load")
 RATIOS = ("into the state / O_DIRECT read reference", "into the state / DCP load", "into new tensors / DCP load")
+# A restart on the same pod: the restores read the old ranks' slots (the worker asserts they did).
+FROM_MEMORY = ("stowaway.load", "stowaway.load_into", "reference.copy_out")
+MEMORY_RATIOS = ("into the state / copy-out reference", "into new tensors / copy-out reference")
 
 
 @pytest.mark.timeout(600)
@@ -30,4 +34,9 @@ def test_the_reshard_bench_measures_stowaway_dcp_and_the_read_reference_on_fewer
         assert [line.split()[0] for line in lines[: len(MEASURED)]] == list(MEASURED), report
         assert [line.split(":")[0].strip() for line in lines[len(MEASURED):]] == list(RATIOS), report
         assert all(float(line.rsplit(":", 1)[1]) > 0 for line in lines[len(MEASURED):]), report
+    for ranks in (1, 3):
+        report = run.stdout.split(f"restored on {ranks} from shared memory:\n")[1]
+        lines = report.splitlines()[: len(FROM_MEMORY) + len(MEMORY_RATIOS)]
+        assert [line.split()[0] for line in lines[: len(FROM_MEMORY)]] == list(FROM_MEMORY), report
+        assert [line.split(":")[0].strip() for line in lines[len(FROM_MEMORY):]] == list(MEMORY_RATIOS), report
     assert not storage.exists(), "the bench left its storage behind"

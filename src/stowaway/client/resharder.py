@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,8 @@ class Resharder:
         tree = trees[source]
         layouts = {rank: {item.spec.name: item for item in found.tensors} for rank, (_, found) in headers.items()}
         starts = {rank: found.data_start for rank, (_, found) in headers.items()}
-        self._check_plain_equal(step, source, tree, layouts, starts, files)
+        plain_names = reshard.plain_tensor_names(tree)
+        self._check_plain_equal(step, source, plain_names, layouts, starts, files)
         specs = {name: item.spec for name, item in layouts[source].items()}
         destinations = None
         if into is not None:
@@ -142,15 +144,17 @@ class Resharder:
         builder = _Builder(tree.get(nodes.TREE_MESHES, []), meshes)
         filled_plain = {name: target for name, target in destinations.targets} if destinations else {}
         planned: dict[str, list[reshard.Region]] = {}
+        positions = _Positions(self._rank)
         for node in _unique_dtensors(tree):
             name = node[nodes.DTENSOR][nodes.TENSOR]
             given = destinations.resharded.get(name) if destinations else None
             try:
                 if given:
-                    target, local = _target_of(given[0], self._rank), given[0].to_local()
+                    placements = [dtensors.encode_placement(placement, "into") for placement in given[0].placements]
+                    target, local = positions.target(given[0].device_mesh, placements), given[0].to_local()
                 else:
                     mesh = builder.mesh(node)
-                    target = _target_on(mesh, self._rank, node[nodes.DTENSOR_PLACEMENTS])
+                    target = positions.target(mesh, node[nodes.DTENSOR_PLACEMENTS])
                     local = torch.empty(reshard.new_local_shape(node[nodes.DTENSOR_SHAPE], target),
                                         dtype=tree_mod.TORCH_DTYPES[specs[name].dtype])
                     builder.targets[name] = mesh
@@ -169,7 +173,7 @@ class Resharder:
                 with torch.no_grad():
                     other.to_local().copy_(local)
             tensors[name] = local if given else _moved(local, map_location)
-        for name in reshard.plain_tensor_names(tree):
+        for name in plain_names:
             spec = specs[name]
             destination = filled_plain.get(name)
             plain = destination if destination is not None else torch.empty(spec.shape,
@@ -181,7 +185,7 @@ class Resharder:
         replaced = destinations.by_node if destinations else None
         return tree_mod.unflatten(tree, tensors, builder, self._allow_pickle, replaced)
 
-    def _check_plain_equal(self, step: int, source: int, tree: dict[str, Any],
+    def _check_plain_equal(self, step: int, source: int, plain_names: list[str],
                            layouts: dict[int, dict[str, st.Placed]], starts: dict[int, int],
                            files: dict[int, StoredFile]) -> None:
         """Refuse a small plain tensor that differs between saved files: per-rank state no rule can assign.
@@ -190,7 +194,7 @@ class Resharder:
         would read its pieces); where they differ, they are read checked, so that a corrupt file is told apart
         from state that differs per rank.
         """
-        for name in reshard.plain_tensor_names(tree):
+        for name in plain_names:
             item = layouts[source][name]
             if item.end - item.begin > CHECKED_PLAIN_BYTES:
                 continue
@@ -238,16 +242,25 @@ def _unique_dtensors(tree: dict[str, Any]) -> list[nodes.Node]:
     return [found[name] for name in sorted(found)]
 
 
-def _target_on(mesh: Any, rank: int, placements: list[dict[str, Any]]) -> reshard.Target:
-    position = full_tensors.mesh_position(mesh.mesh.tolist(), rank)
-    if position is None:
-        raise reshard.Unmappable(f"rank {rank} is not in the mesh {mesh.mesh.tolist()} passed to load()")
-    return reshard.Target(tuple(position[0]), position[1], placements)
+class _Positions:
+    """This rank's coordinate in each mesh, found once per mesh: torch builds ``DeviceMesh.mesh`` anew on each
+    access, which cost a third of a resharding restore's time when it was asked once per DTensor."""
 
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        # By id; the mesh is kept, so that its id is not reused while this lives.
+        self._found: dict[int, tuple[Any, tuple[tuple[int, ...], list[int]]]] = {}
 
-def _target_of(value: Any, rank: int) -> reshard.Target:
-    placements = [dtensors.encode_placement(placement, "into") for placement in value.placements]
-    return _target_on(value.device_mesh, rank, placements)
+    def target(self, mesh: Any, placements: list[dict[str, Any]]) -> reshard.Target:
+        known = self._found.get(id(mesh))
+        if known is None:
+            ranks = mesh.mesh.tolist()
+            position = full_tensors.mesh_position(ranks, self._rank)
+            if position is None:
+                raise reshard.Unmappable(f"rank {self._rank} is not in the mesh {ranks} passed to load()")
+            known = self._found[id(mesh)] = (mesh, position)
+        shape, coordinate = known[1]
+        return reshard.Target(tuple(shape), list(coordinate), placements)
 
 
 def _moved(local: torch.Tensor, map_location: Any) -> torch.Tensor:
@@ -269,7 +282,7 @@ class _Reader:
             item = self._layouts[region.rank][name]
             shape = item.spec.shape
             element = dtypes.ELEMENT_BYTES[item.spec.dtype]
-            row_bytes = element * int(np.prod(shape[1:], dtype=np.int64)) if shape else element
+            row_bytes = element * math.prod(shape[1:])
             begin = self._starts[region.rank] + item.begin + region.rows[0] * row_bytes
             end = self._starts[region.rank] + item.begin + region.rows[1] * row_bytes
             stored = self._files[region.rank]
