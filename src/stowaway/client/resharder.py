@@ -298,10 +298,9 @@ class _Reader:
                 with torch.no_grad():
                     local.copy_(block.reshape(local.shape))
                 continue
-            source = tuple(torch.from_numpy(index) for index in np.ix_(*region.source))
-            target = tuple(torch.from_numpy(index) for index in np.ix_(*region.target))
             with torch.no_grad():
-                local[target] = block[source].to(local.device)
+                local[full_tensors.cross_index(region.target)] = block[full_tensors.cross_index(region.source)].to(
+                    local.device)
 
 
 class _Builder:

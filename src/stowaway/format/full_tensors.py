@@ -20,6 +20,9 @@ import torch
 from stowaway.errors import UnsupportedState
 from stowaway.format import nodes, shards
 
+# Indices of a dimension of a whole tensor: a run as a range, else an array.
+Indices = np.ndarray | range
+
 
 def mesh_position(mesh_ranks: Any, rank: int) -> tuple[tuple[int, ...], list[int]] | None:
     """The mesh's shape and ``rank``'s coordinate in it; None when the rank is not in the mesh."""
@@ -29,7 +32,7 @@ def mesh_position(mesh_ranks: Any, rank: int) -> tuple[tuple[int, ...], list[int
 
 
 def shard_indices(global_shape: list[int], mesh_shape: tuple[int, ...], coordinate: list[int],
-                  placements: list[dict[str, Any]]) -> list[np.ndarray]:
+                  placements: list[dict[str, Any]]) -> list[Indices]:
     """Per tensor dimension, the indices of the whole tensor that the shard of the rank at ``coordinate`` holds.
 
     A ``Shard`` keeps one ``torch.chunk`` piece of what is left of its
@@ -37,7 +40,9 @@ def shard_indices(global_shape: list[int], mesh_shape: tuple[int, ...], coordina
     it into ``split_factor`` pieces and keeps the same piece of each, so its
     indices need not be contiguous.
     """
-    indices = [np.arange(size) for size in global_shape]
+    # Ranges until a _StridedShard needs arrays: a shard's indices are a run in the common case, and an array of
+    # every index of a large tensor cost a resharding restore a third of its time.
+    indices: list[Indices] = [range(size) for size in global_shape]
     for mesh_dim, placement in enumerate(placements):
         if nodes.PLACEMENT_REPLICATE in placement:
             continue
@@ -48,7 +53,8 @@ def shard_indices(global_shape: list[int], mesh_shape: tuple[int, ...], coordina
         if nodes.PLACEMENT_SPLIT_FACTOR in placement:
             split_factor = placement[nodes.PLACEMENT_SPLIT_FACTOR]
             pieces = [_piece(indices[dim], split_factor, cut) for cut in range(split_factor)]
-            indices[dim] = np.concatenate([_piece(piece, parts, index) for piece in pieces])
+            indices[dim] = np.concatenate([np.asarray(_piece(piece, parts, index), dtype=np.int64)
+                                           for piece in pieces])
         else:
             indices[dim] = _piece(indices[dim], parts, index)
     return indices
@@ -70,17 +76,22 @@ def _not_gatherable(placement: dict[str, Any]) -> UnsupportedState:
     )
 
 
-def _piece(indices: np.ndarray, parts: int, index: int) -> np.ndarray:
+def _piece(indices: Indices, parts: int, index: int) -> Indices:
     """Piece ``index`` of ``indices`` when ``torch.chunk`` splits them into ``parts``."""
     full = -(-len(indices) // parts)
     return indices[full * index : full * (index + 1)]
 
 
-def _region(indices: list[np.ndarray]) -> tuple[Any, ...]:
+def _region(indices: list[Indices]) -> tuple[Any, ...]:
     """``indices`` as an index into the whole tensor: slices where they are contiguous, as most are."""
     if all(not len(ix) or ix[-1] - ix[0] + 1 == len(ix) for ix in indices):
         return tuple(slice(int(ix[0]), int(ix[-1]) + 1) if len(ix) else slice(0, 0) for ix in indices)
-    return tuple(torch.from_numpy(ix) for ix in np.ix_(*indices))
+    return cross_index(indices)
+
+
+def cross_index(indices: list[Indices] | tuple[Indices, ...]) -> tuple[torch.Tensor, ...]:
+    """Tensors that index every combination of ``indices`` (one per dimension), as ``numpy.ix_`` does."""
+    return tuple(torch.from_numpy(ix) for ix in np.ix_(*(np.asarray(ix) for ix in indices)))
 
 
 class Gatherer:

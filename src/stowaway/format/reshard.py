@@ -53,8 +53,8 @@ class Region:
 
     rank: int
     rows: tuple[int, int]
-    source: tuple[np.ndarray, ...]
-    target: tuple[np.ndarray, ...]
+    source: tuple[full_tensors.Indices, ...]
+    target: tuple[full_tensors.Indices, ...]
     whole_rows: tuple[int, int] | None
 
 
@@ -114,7 +114,9 @@ def _readers(saved_ranks: np.ndarray, placements: list[dict[str, Any]], new_rank
     return sorted(chosen.reshape(-1).tolist())
 
 
-def _overlap(rank: int, held: list[np.ndarray], wanted: list[np.ndarray]) -> Region | None:
+def _overlap(rank: int, held: list[full_tensors.Indices], wanted: list[full_tensors.Indices]) -> Region | None:
+    if all(_contiguous(ix) for ix in (*held, *wanted) if len(ix)):
+        return _overlap_of_runs(rank, held, wanted)
     source, target = [], []
     for have, want in zip(held, wanted, strict=True):
         if not len(have) or not len(want):
@@ -145,12 +147,32 @@ def _overlap(rank: int, held: list[np.ndarray], wanted: list[np.ndarray]) -> Reg
     return Region(rank, (first, last), tuple(source), tuple(target), whole)
 
 
-def _contiguous(indices: np.ndarray) -> bool:
+def _overlap_of_runs(rank: int, held: list[full_tensors.Indices], wanted: list[full_tensors.Indices]) -> Region | None:
+    """``_overlap`` where every dimension on both sides is a run (Shard, Replicate): arithmetic on the ends."""
+    source, target = [], []
+    for have, want in zip(held, wanted, strict=True):
+        if not len(have) or not len(want):
+            return None
+        first, last = max(have[0], want[0]), min(have[-1], want[-1]) + 1
+        if first >= last:
+            return None
+        source.append(range(first - have[0], last - have[0]))
+        target.append(range(first - want[0], last - want[0]))
+    rows = (source[0].start, source[0].stop)
+    source[0] = range(rows[1] - rows[0])
+    # Every other dimension whole on both sides, and the same: the rows land unchanged.
+    rest_whole = all(s.start == 0 and len(s) == len(h) and t == s and len(t) == len(w)
+                     for s, t, h, w in zip(source[1:], target[1:], held[1:], wanted[1:], strict=True))
+    whole = (target[0].start, target[0].stop) if rest_whole else None
+    return Region(rank, rows, tuple(source), tuple(target), whole)
+
+
+def _contiguous(indices: full_tensors.Indices) -> bool:
     return bool(indices[-1] - indices[0] + 1 == len(indices))
 
 
 def _scalar_region(name: str, global_shape: list[int], mesh: dict[str, Any], local_shapes: dict[int, list[int]],
-                   wanted: list[np.ndarray]) -> list[Region]:
+                   wanted: list[full_tensors.Indices]) -> list[Region]:
     """A 0-d DTensor (replicated by nature) comes from the first saved rank; an empty new shard needs nothing."""
     if global_shape and any(not len(ix) for ix in wanted):
         return []
