@@ -113,4 +113,5 @@ def test_inspect_shows_the_indices_each_saved_shard_holds_as_the_planner_compute
     for coordinate in itertools.product(*(range(size) for size in mesh_shape)):
         rank = int(ranks[coordinate])
         expected = shard_indices([13, 6], mesh_shape, list(coordinate), placements)
-        assert shards.held([13, 6], ranks.tolist(), rank, placements) == [[int(index) for index in ix] for ix in expected]
+        held = shards.held([13, 6], ranks.tolist(), rank, placements)
+        assert held == [[int(index) for index in ix] for ix in expected]

@@ -37,7 +37,7 @@ import torch
 from stowaway.client.link import Link
 from stowaway.client.stored_files import ReadCounter, StoredFile, read_manifest
 from stowaway.errors import CheckpointCorrupt, SaveFailed, UnsupportedState, WorldSizeChanged
-from stowaway.format import dtensors, dtypes, full_tensors, in_place, nodes, reshard, shards
+from stowaway.format import dtensors, dtypes, full_tensors, in_place, nodes, reshard
 from stowaway.format import safetensors_header as st
 from stowaway.format import tree as tree_mod
 from stowaway.protocol import messages
@@ -131,7 +131,7 @@ class Resharder:
         tree = trees[source]
         layouts = {rank: {item.spec.name: item for item in found.tensors} for rank, (_, found) in headers.items()}
         starts = {rank: found.data_start for rank, (_, found) in headers.items()}
-        plain_names = reshard.plain_tensor_names(tree)
+        dtensor_nodes, plain_names = reshard.split_tensors(tree)
         self._check_plain_equal(step, source, plain_names, layouts, starts, files)
         specs = {name: item.spec for name, item in layouts[source].items()}
         destinations = None
@@ -145,7 +145,7 @@ class Resharder:
         filled_plain = {name: target for name, target in destinations.targets} if destinations else {}
         planned: dict[str, list[reshard.Region]] = {}
         positions = _Positions(self._rank)
-        for node in _unique_dtensors(tree):
+        for node in dtensor_nodes:
             name = node[nodes.DTENSOR][nodes.TENSOR]
             given = destinations.resharded.get(name) if destinations else None
             try:
@@ -159,10 +159,10 @@ class Resharder:
                                         dtype=tree_mod.TORCH_DTYPES[specs[name].dtype])
                     builder.targets[name] = mesh
                 local_shapes = {rank: list(found[name].spec.shape) for rank, found in layouts.items() if name in found}
-                # An optimizer's states repeat their parameter's layout: each layout is planned once.
-                key = json.dumps([node[nodes.DTENSOR_PLACEMENTS], node[nodes.DTENSOR_SHAPE],
-                                  node[nodes.DTENSOR_MESH], target.mesh_shape, target.coordinate, target.placements,
-                                  sorted(local_shapes.items())])
+                # An optimizer's states repeat their parameter's layout: each layout is planned once. (repr, not
+                # json.dumps: the same key, in a tenth of the time, for thousands of DTensors.)
+                key = repr((node[nodes.DTENSOR_PLACEMENTS], node[nodes.DTENSOR_SHAPE], node[nodes.DTENSOR_MESH],
+                            target.mesh_shape, target.coordinate, target.placements, sorted(local_shapes.items())))
                 if key not in planned:
                     planned[key] = reshard.regions(node, builder.saved, local_shapes, target, self._rank)
                 regions = planned[key]
@@ -233,13 +233,6 @@ def _header(stored: StoredFile) -> tuple[dict[str, Any], st.Layout]:
     except (KeyError, json.JSONDecodeError) as exc:
         raise st.HeaderError(f"{stored.where} holds no Stowaway state tree: {exc}") from exc
     return tree, layout
-
-
-def _unique_dtensors(tree: dict[str, Any]) -> list[nodes.Node]:
-    found: dict[str, nodes.Node] = {}
-    for node in shards.dtensor_nodes(tree[nodes.TREE_ROOT]):
-        found.setdefault(node[nodes.DTENSOR][nodes.TENSOR], node)
-    return [found[name] for name in sorted(found)]
 
 
 class _Positions:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from stowaway.format import full_tensors, nodes, shards
+from stowaway.format import full_tensors, nodes
 
 
 class Unmappable(ValueError):
@@ -230,18 +230,27 @@ def _shown(node: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def plain_tensor_names(tree: dict[str, Any]) -> list[str]:
-    """The stored names of the tree's tensors that are not DTensor shards (plain tensors, arrays, pickles)."""
-    sharded = {node[nodes.DTENSOR][nodes.TENSOR] for node in shards.dtensor_nodes(tree[nodes.TREE_ROOT])}
-    names: list[str] = []
+def split_tensors(tree: dict[str, Any]) -> tuple[list[nodes.Node], list[str]]:
+    """The tree's DTensor nodes, one per stored shard, by stored name; and the stored names of its tensors that
+    are not DTensor shards (plain tensors, arrays, pickles), sorted.
+
+    One walk of the tree for both: a state of thousands of DTensors made
+    the walks a sixth of a resharding restore's time when each asked its own.
+    """
+    found: dict[str, nodes.Node] = {}
+    stored: set[str] = set()
     pending = [tree[nodes.TREE_ROOT]]
     while pending:
         node = pending.pop()
         if isinstance(node, dict):
+            inner = node.get(nodes.DTENSOR)
+            if isinstance(inner, dict):
+                found.setdefault(inner[nodes.TENSOR], node)
             for tag in (nodes.TENSOR, nodes.NUMPY, nodes.PICKLED):
-                if isinstance(node.get(tag), str) and node[tag] not in sharded:
-                    names.append(node[tag])
-            pending.extend(node.values())
+                name = node.get(tag)
+                if isinstance(name, str):
+                    stored.add(name)
+            pending.extend(value for value in node.values() if isinstance(value, dict | list))
         elif isinstance(node, list):
-            pending.extend(node)
-    return sorted(set(names))
+            pending.extend(value for value in node if isinstance(value, dict | list))
+    return [found[name] for name in sorted(found)], sorted(stored - found.keys())
