@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from s3server import S3Server
 
-from data_path.processes import wait_for
+from data_path.processes import SidecarProcess, wait_for
 from data_path.rank_driver import pattern
 from stowaway import read_checkpoint
 from stowaway.storage import bucket, bucket_jobs, catalog, layout
@@ -93,10 +93,9 @@ def test_a_pod_whose_claim_lacks_the_newest_step_restores_it_from_the_bucket(
     restored.exit()
 
 
-def test_a_rollback_on_the_claim_sets_the_bucket_copies_aside_so_no_cluster_restores_them(
-        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank, short_tmp: Path) -> None:
-    url = f"s3://{s3_bucket}/ckpt"
-    claim = short_tmp / "claim-a"
+def rolled_back_to_5(bucket_env: S3Server, url: str, start_sidecar, start_rank, claim: Path) -> SidecarProcess:
+    """Steps 3, 5 and 7 committed on the claim and in the bucket, then the job rolled back to 5 and its sidecar
+    restarted, which sets the bucket's step 7 aside; the running sidecar."""
     sidecar = start_sidecar("a", extra=["--bucket", url], storage_dir=claim)
     rank = start_rank(sidecar, run_id="first-run")
     for step in (3, 5, 7):
@@ -111,6 +110,13 @@ def test_a_rollback_on_the_claim_sets_the_bucket_copies_aside_so_no_cluster_rest
     sidecar.start()
     wait_for(lambda: bucket_steps(bucket_env, f"{url}/job") == [3, 5], "step 7 to leave the bucket's step names",
              log=sidecar.log)
+    return sidecar
+
+
+def test_a_rollback_on_the_claim_sets_the_bucket_copies_aside_so_no_cluster_restores_them(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank, short_tmp: Path) -> None:
+    url = f"s3://{s3_bucket}/ckpt"
+    sidecar = rolled_back_to_5(bucket_env, url, start_sidecar, start_rank, short_tmp / "claim-a")
     listed = stowaway("ls", f"{url}/job")
     assert listed.returncode == 0, listed.stderr
     assert f"set aside (kept for inspection; delete it when done): {url}/job/rolled-back-step-000000000007-" \
@@ -131,6 +137,21 @@ def test_a_rollback_on_the_claim_sets_the_bucket_copies_aside_so_no_cluster_rest
     store = bucket.Bucket(bucket.Location(s3_bucket, "ckpt"), bucket.Settings(endpoint=bucket_env.endpoint))
     wait_for(lambda: 7 in store.committed_steps("job") and store.read_manifest("job", 7).run == "second-run",
              "the new step 7 in the bucket", log=sidecar.log)
+
+
+def test_a_rollback_undone_on_the_claim_brings_the_step_back_into_the_bucket(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank, short_tmp: Path) -> None:
+    url, claim = f"s3://{s3_bucket}/ckpt", short_tmp / "claim-a"
+    sidecar = rolled_back_to_5(bucket_env, url, start_sidecar, start_rank, claim)
+    sidecar.stop()
+    # Undone by hand, as docs/troubleshooting.md says: the step renamed back, the record left where it is.
+    (aside,) = layout.set_aside_dirs(claim / "job")
+    aside.rename(layout.step_dir(claim / "job", 7))
+    sidecar.start()
+    wait_for(lambda: bucket_steps(bucket_env, f"{url}/job") == [3, 5, 7], "step 7 back in the bucket",
+             log=sidecar.log)
+    store = bucket.Bucket(bucket.Location(s3_bucket, "ckpt"), bucket.Settings(endpoint=bucket_env.endpoint))
+    assert store.read_manifest("job", 7).run == "first-run"
 
 
 def test_an_object_too_large_for_one_server_copy_is_copied_by_streaming(bucket_env: S3Server, s3_bucket: str) -> None:

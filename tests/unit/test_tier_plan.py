@@ -55,3 +55,11 @@ def test_the_earliest_rollback_that_abandoned_a_step_names_its_copy() -> None:
 def test_without_a_rollback_nothing_is_read_or_abandoned() -> None:
     assert tier_plan.may_be_rolled_back([1, 2, 3], []) == []
     assert tier_plan.rolled_back({}, []) == {}
+
+
+def test_a_rollback_undone_on_the_claim_is_no_longer_in_force() -> None:
+    back_to_5 = Rollback(to=5, unix=1000.0, stamp_ns=1)
+    # Steps 6 and 7 saved again after the rollback: it stands.
+    assert tier_plan.in_force([back_to_5], {6: 1100.0, 7: 1200.0}) == [back_to_5]
+    # Step 7 of the abandoned run renamed back into the step names: the user undid it.
+    assert tier_plan.in_force([back_to_5], {7: 900.0}) == []

@@ -176,13 +176,23 @@ class BucketTier:
 
     def _rolled_back(self, store: bucket.Bucket, job: str, committed: list[int]) -> dict[int, rollbacks.Rollback]:
         """The bucket's steps of ``job`` that a rollback on the claim abandoned, each with its rollback."""
-        recorded = rollbacks.recorded(self._job_path(job))
+        recorded = self._rollbacks_in_force(job)
         times = {}
         for step in tier_plan.may_be_rolled_back(committed, recorded):
             if (job, step) not in self._committed_unix:
                 self._committed_unix[(job, step)] = store.read_manifest(job, step).created_unix
             times[step] = self._committed_unix[(job, step)]
         return tier_plan.rolled_back(times, recorded)
+
+    def _rollbacks_in_force(self, job: str) -> list[rollbacks.Rollback]:
+        """The job's rollback records, less those the claim has undone (it holds a step one abandoned again)."""
+        job_path = self._job_path(job)
+        recorded = rollbacks.recorded(job_path)
+        if not recorded:
+            return []
+        claim = {step: manifest.read_manifest(layout.step_dir(job_path, step)).created_unix
+                 for step in tier_plan.may_be_rolled_back(catalog.committed_steps(job_path), recorded)}
+        return tier_plan.in_force(recorded, claim)
 
     def _set_rolled_back_aside(self, store: bucket.Bucket, job: str, committed: list[int]) -> list[int]:
         """Set the bucket's copies of rolled-back steps aside; the committed steps that stay."""

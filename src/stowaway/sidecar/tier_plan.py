@@ -64,6 +64,13 @@ def may_be_rolled_back(bucket: list[int], rollbacks: list[Rollback]) -> list[int
     return [step for step in bucket if step > lowest]
 
 
+def in_force(rollbacks: list[Rollback], claim_unix: dict[int, float]) -> list[Rollback]:
+    """The rollbacks still in force: not those whose abandoned steps the claim holds committed again (renamed
+    back by hand, undoing it), which would otherwise have their bucket copies uploaded and set aside in turn."""
+    return [rollback for rollback in rollbacks
+            if not any(rollback.abandons(step, unix) for step, unix in claim_unix.items())]
+
+
 def rolled_back(committed_unix: dict[int, float], rollbacks: list[Rollback]) -> dict[int, Rollback]:
     """Bucket steps (with the time each was committed) that a rollback abandoned, each with the earliest such
     rollback: a step saved again after the rollback is newer than it, and stays."""
