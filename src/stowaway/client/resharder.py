@@ -53,8 +53,6 @@ class Resharder:
         self._job, self._rank, self._world_size = job, rank, world_size
         self._allow_pickle = allow_pickle
         self._link = link
-        # Whether the last attempt read any saved rank's file from a slot.
-        self._read_memory = False
 
     def load(self, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> tuple[Any, int, bool]:
         """The state of ``step`` resharded onto this rank, the bytes it read from storage, and whether every
@@ -64,28 +62,31 @@ class Resharder:
         match the manifest (a slot rewritten since, say), the whole step is
         read again from storage, ``into``'s tensors included.
         """
+        stored = ReadCounter()
+        files = self._open(step, stored, from_memory=True)
+        in_memory = [file.base > 0 for file in files.values()]
         try:
-            return self._load(step, map_location, meshes, into, from_memory=True)
+            return self._read(step, files, map_location, meshes, into), stored.bytes, all(in_memory)
         except (CheckpointCorrupt, st.HeaderError) as exc:
-            if not self._read_memory:
+            if not any(in_memory):
                 raise
             log.warning("rank %d: step %d in shared memory does not match its manifest (%s); reading it from "
                         "storage", self._rank, step, exc)
-            return self._load(step, map_location, meshes, into, from_memory=False)
+        stored = ReadCounter()
+        files = self._open(step, stored, from_memory=False)
+        return self._read(step, files, map_location, meshes, into), stored.bytes, False
 
-    def _load(self, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any,
-              from_memory: bool) -> tuple[Any, int, bool]:
-        stored, memory = ReadCounter(), ReadCounter()
-        files = self._open(step, stored, memory, from_memory)
-        self._read_memory = any(file.base for file in files.values())
+    def _read(self, step: int, files: dict[int, StoredFile], map_location: Any, meshes: tuple[Any, ...],
+              into: Any) -> Any:
+        """The state assembled from ``files``, which are closed afterwards."""
         try:
-            state = self._assembled(step, files, map_location, meshes, into)
-            return state, stored.bytes, all(file.base for file in files.values())
+            return self._assembled(step, files, map_location, meshes, into)
         finally:
             for file in files.values():
                 file.close()
 
-    def _open(self, step: int, stored: ReadCounter, memory: ReadCounter, from_memory: bool) -> dict[int, StoredFile]:
+    def _open(self, step: int, stored: ReadCounter, from_memory: bool) -> dict[int, StoredFile]:
+        """The saved ranks' files of ``step``, or the slots still holding them; reads of files count in ``stored``."""
         where = Path(f"step {step} of job {self._job}")
         opened, fds = self._link.open_files(step, ())
         if opened.reason is not None:
@@ -110,7 +111,7 @@ class Resharder:
                 for rank, fd, base in zip(batch, fds[1:], bases, strict=True):
                     entry = found.file_for(rank)
                     if base:
-                        files[rank] = StoredFile(fd, entry, where / f"slot of rank {rank}", memory, base)
+                        files[rank] = StoredFile(fd, entry, where / f"slot of rank {rank}", ReadCounter(), base)
                     else:
                         files[rank] = StoredFile(fd, entry, where / entry.name, stored)
         except BaseException:
