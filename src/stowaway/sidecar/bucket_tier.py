@@ -71,8 +71,9 @@ class BucketTier:
         # Per job, the claim's newest step when the bucket last had nothing newer for it: ranks asking after
         # one another then cost the bucket one listing, not one each.
         self._claim_current: dict[str, int] = {}
-        # When each bucket step was committed (from its manifest), for the rollback records: (job, step) -> unix.
-        self._committed_unix: dict[tuple[str, int], float] = {}
+        # The manifests of bucket steps read or uploaded by this sidecar (their only writer), by (job, step): the
+        # rollback records need each step's commit time, and setting a step aside its files.
+        self._manifests: dict[tuple[str, int], manifest.Manifest] = {}
 
     @property
     def location(self) -> bucket.Location:
@@ -173,16 +174,23 @@ class BucketTier:
             store.remove_step(job, present[step])
             log.info("removed the torn upload of step %d of job %s from %s", step, job, self._location)
         self._known[job] = [step for step in committed if step not in dropped]
+        # Only the steps the bucket still holds: a long job's manifests would otherwise pile up here. (A copy of the
+        # keys: a rank's restore may add one from its own thread meanwhile.)
+        for key in list(self._manifests):
+            if key[0] == job and key[1] not in self._known[job]:
+                self._manifests.pop(key, None)
 
     def _rolled_back(self, store: bucket.Bucket, job: str, committed: list[int]) -> dict[int, rollbacks.Rollback]:
         """The bucket's steps of ``job`` that a rollback on the claim abandoned, each with its rollback."""
         recorded = self._rollbacks_in_force(job)
-        times = {}
-        for step in tier_plan.may_be_rolled_back(committed, recorded):
-            if (job, step) not in self._committed_unix:
-                self._committed_unix[(job, step)] = store.read_manifest(job, step).created_unix
-            times[step] = self._committed_unix[(job, step)]
+        times = {step: self._bucket_manifest(store, job, step).created_unix
+                 for step in tier_plan.may_be_rolled_back(committed, recorded)}
         return tier_plan.rolled_back(times, recorded)
+
+    def _bucket_manifest(self, store: bucket.Bucket, job: str, step: int) -> manifest.Manifest:
+        if (job, step) not in self._manifests:
+            self._manifests[(job, step)] = store.read_manifest(job, step)
+        return self._manifests[(job, step)]
 
     def _rollbacks_in_force(self, job: str) -> list[rollbacks.Rollback]:
         """The job's rollback records, less those the claim has undone (it holds a step one abandoned again)."""
@@ -201,9 +209,9 @@ class BucketTier:
             return committed
         present = store.step_objects(job)
         for step, rollback in sorted(abandoned.items()):
-            where = store.set_aside_step(job, store.read_manifest(job, step), rollback.stamp_ns,
+            where = store.set_aside_step(job, self._bucket_manifest(store, job, step), rollback.stamp_ns,
                                          present.get(step, []))
-            self._committed_unix.pop((job, step), None)
+            self._manifests.pop((job, step), None)
             log.info("step %d of job %s was rolled back to step %d on the claim: set aside in the bucket as %s",
                      step, job, rollback.to, where)
         return [step for step in committed if step not in abandoned]
@@ -234,7 +242,7 @@ class BucketTier:
                 log.info("step %d of job %s left the claim during its upload; a newer one goes instead", step, job)
                 return False
         store.put(store.step_key(job, step, layout.MANIFEST), manifest_bytes)
-        self._committed_unix[(job, step)] = found.created_unix
+        self._manifests[(job, step)] = found
         seconds = time.monotonic() - started
         self._metrics.upload_duration.observe(seconds)
         self._metrics.uploads.inc()
@@ -271,7 +279,7 @@ class BucketTier:
         abandoned = self._rolled_back(store, job, committed)
         newer = [step for step in committed if step > newest and step not in abandoned]
         for step in reversed(newer):
-            found = store.read_manifest(job, step)
+            found = self._bucket_manifest(store, job, step)
             started = time.monotonic()
             try:
                 self._download_step(store, job_path, found)
