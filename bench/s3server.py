@@ -22,7 +22,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -132,17 +132,30 @@ class S3Server:
     def create_bucket(self, bucket: str) -> None:
         """Create ``bucket`` (an admin's upload does), waiting for the server to take requests first."""
         store = self.store(bucket, ADMIN)
+
+        def create() -> None:
+            obstore.put(store, ".created", b"")
+            obstore.delete(store, ".created")
+
+        self._once_serving(create, "accept an upload")
+
+    def wait_serving(self, bucket: str) -> None:
+        """Return once the server, started again, answers a listing of ``bucket``: its ports open some time after
+        ``start`` returns."""
+        store = self.store(bucket)
+        self._once_serving(lambda: obstore.list_with_delimiter(store), "answer a listing")
+
+    def _once_serving(self, request: Callable[[], object], what: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             try:
-                obstore.put(store, ".created", b"")
-                obstore.delete(store, ".created")
+                request()
                 return
             except Exception as exc:
                 if self.process is not None and self.process.poll() is not None:
                     raise RuntimeError(f"weed exited with {self.process.returncode}:\n{self.log()}") from exc
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"weed did not accept an upload within {START_TIMEOUT:.0f} s ({exc}):\n"
+                    raise RuntimeError(f"weed did not {what} within {START_TIMEOUT:.0f} s ({exc}):\n"
                                        f"{self.log()}") from exc
                 time.sleep(0.2)  # polling a server that is starting: nothing to wait on but its answer
 

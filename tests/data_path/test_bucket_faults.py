@@ -222,6 +222,7 @@ def test_on_several_nodes_only_the_one_hosting_rank_zero_uploads_and_resumes(
     for node in nodes:
         assert node.stop() == 0
     own_server.start()
+    own_server.wait_serving("ckpt")
     for node in nodes:
         node.start()
     wait_for(lambda: bucket_steps(own_server, url) == [1, 2], "the restarted node a to upload step 2",
