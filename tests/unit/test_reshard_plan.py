@@ -42,8 +42,8 @@ def assembled(positions: np.ndarray, saved: tuple, new: tuple, new_rank: int) ->
     wanted = positions[np.ix_(*shard_indices(list(positions.shape), new_shape, coordinate, target.placements))]
     local = np.full(reshard.new_local_shape(list(positions.shape), target), -1)
     filled = np.zeros(local.shape, dtype=int)
-    regions = reshard.regions(node(positions.shape, saved_names), [{"ranks": ranks.tolist()}], shapes, target,
-                              new_rank)
+    regions = reshard.regions(node(positions.shape, saved_names), [{"ranks": ranks.tolist()}], target, new_rank)
+    reshard.check_shapes(node(positions.shape, saved_names), regions, lambda rank: shapes[rank])
     for region in regions:
         rows = stored[region.rank][region.rows[0] : region.rows[1]]
         if region.whole_rows is not None:
@@ -68,17 +68,15 @@ def test_every_new_shard_is_assembled_from_the_saved_shards_exactly(global_shape
 
 
 def test_fsdp_rows_are_read_whole_and_only_from_the_saved_ranks_that_hold_them():
-    shapes = {rank: [160, 4] for rank in range(4)}
     target = reshard.Target((3,), [1], [{"s": 0}])
-    regions = reshard.regions(node((640, 4), ("S0",)), [{"ranks": [0, 1, 2, 3]}], shapes, target, 1)
+    regions = reshard.regions(node((640, 4), ("S0",)), [{"ranks": [0, 1, 2, 3]}], target, 1)
     # New rank 1 of 3 holds rows 214..427: the end of saved rank 1's shard and the start of rank 2's.
     assert [(region.rank, region.rows, region.whole_rows) for region in regions] == [
         (1, (54, 160), (0, 106)), (2, (0, 108), (106, 214))]
 
 
 def test_replicas_are_read_from_one_saved_rank_spread_over_the_new_ranks():
-    shapes = {rank: [4] for rank in range(4)}
-    regions = [reshard.regions(node((8,), ("R", "S0")), [{"ranks": [[0, 1], [2, 3]]}], shapes,
+    regions = [reshard.regions(node((8,), ("R", "S0")), [{"ranks": [[0, 1], [2, 3]]}],
                                reshard.Target((1,), [0], [{"s": 0}]), new_rank) for new_rank in range(2)]
     assert [[region.rank for region in found] for found in regions] == [[0, 1], [2, 3]]
 
@@ -86,10 +84,17 @@ def test_replicas_are_read_from_one_saved_rank_spread_over_the_new_ranks():
 def test_what_cannot_be_mapped_is_refused_with_the_tensor_and_the_reason():
     target = reshard.Target((2,), [0], [{"s": 0}])
     with pytest.raises(reshard.Unmappable, match=r"'w' is placed \{'p': 'sum'\}: a Partial is a sum"):
-        reshard.regions({**node((4,), ("S0",)), "pl": [{"p": "sum"}]}, [{"ranks": [0]}], {0: [4]}, target, 0)
+        reshard.regions({**node((4,), ("S0",)), "pl": [{"p": "sum"}]}, [{"ranks": [0]}], target, 0)
+    shapes = {0: [2], 1: [3]}
+    # New rank 0 reads only saved rank 0's shard, whose shape is right; new rank 1 reads rank 1's.
+    first = reshard.regions(node((4,), ("S0",)), [{"ranks": [0, 1]}], target, 0)
+    reshard.check_shapes(node((4,), ("S0",)), first, shapes.get)
+    second = reshard.regions(node((4,), ("S0",)), [{"ranks": [0, 1]}], reshard.Target((2,), [1], [{"s": 0}]), 1)
     with pytest.raises(reshard.Unmappable, match=r"saved rank 1's shard of the DTensor stored as 'w' has shape "
                                                  r"\[3\], but placements .* give it \[2\]"):
-        reshard.regions(node((4,), ("S0",)), [{"ranks": [0, 1]}], {0: [2], 1: [3]}, target, 0)
+        reshard.check_shapes(node((4,), ("S0",)), second, shapes.get)
+    with pytest.raises(reshard.Unmappable, match=r"saved rank 1's shard .* has shape None"):
+        reshard.check_shapes(node((4,), ("S0",)), second, {0: [2]}.get)
 
 
 def test_values_that_differ_between_saved_ranks_are_named_with_both_values():

@@ -43,3 +43,16 @@ def test_metadata_that_is_not_a_map_of_strings_is_refused():
         raw = image({"__metadata__": metadata, "t": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}})
         with pytest.raises(st.HeaderError, match="not a map of strings"):
             st.parse(raw, len(raw))
+
+
+def test_a_tensor_placed_alone_is_checked_as_it_would_be_with_the_whole_layout():
+    raw = image({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                 "far": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+                 "bad": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})
+    decoded = st.decode(raw, len(raw))
+    assert decoded.placed("a") == st.Placed(st.TensorSpec("a", "F32", (2,)), 0, 8)
+    assert decoded.placed("missing") is None
+    with pytest.raises(st.HeaderError, match="tensor 'far' has offsets outside the data"):
+        decoded.placed("far")
+    with pytest.raises(st.HeaderError, match="tensor 'bad' .*do not fit"):
+        decoded.placed("bad")

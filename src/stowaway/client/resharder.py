@@ -24,6 +24,7 @@ file would multiply the bytes read by the saved ranks.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -123,24 +124,22 @@ class Resharder:
     def _assembled(self, step: int, files: dict[int, StoredFile], map_location: Any, meshes: tuple[Any, ...],
                    into: Any) -> Any:
         saved = len(files)
-        headers = {rank: _header(stored) for rank, stored in files.items()}
-        trees = {rank: tree for rank, (tree, _) in headers.items()}
-        differing = reshard.differences(trees)
-        if differing:
-            raise WorldSizeChanged(self._unassignable(step, saved, "; ".join(differing)))
+        headers = _Headers(files)
         source = self._rank % saved
-        tree = trees[source]
-        layouts = {rank: {item.spec.name: item for item in found.tensors} for rank, (_, found) in headers.items()}
-        starts = {rank: found.data_start for rank, (_, found) in headers.items()}
+        tree = headers.tree(source)
+        # Trees written alike are the same tree: only differing texts are decoded, to say where they differ.
+        if any(headers.tree_text(rank) != headers.tree_text(source) for rank in files):
+            differing = reshard.differences({rank: headers.tree(rank) for rank in files})
+            if differing:
+                raise WorldSizeChanged(self._unassignable(step, saved, "; ".join(differing)))
         dtensor_nodes, plain_names = reshard.split_tensors(tree)
-        self._check_plain_equal(step, source, plain_names, layouts, starts, files)
-        specs = {name: item.spec for name, item in layouts[source].items()}
+        self._check_plain_equal(step, source, plain_names, headers, files)
         destinations = None
         if into is not None:
             metas = {name: torch.empty(spec.shape, dtype=tree_mod.TORCH_DTYPES[spec.dtype], device="meta")
-                     for name, spec in specs.items()}
+                     for name, spec in headers.specs(source).items()}
             destinations = in_place.match(tree, metas, into, reshard=True)
-        reader = _Reader(files, layouts, starts)
+        reader = _Reader(files, headers)
         tensors: dict[str, torch.Tensor] = {}
         builder = _Builder(tree.get(nodes.TREE_MESHES, []), meshes)
         filled_plain = {name: target for name, target in destinations.targets} if destinations else {}
@@ -157,16 +156,16 @@ class Resharder:
                     mesh = builder.mesh(node)
                     target = positions.target(mesh, node[nodes.DTENSOR_PLACEMENTS])
                     local = torch.empty(reshard.new_local_shape(node[nodes.DTENSOR_SHAPE], target),
-                                        dtype=tree_mod.TORCH_DTYPES[specs[name].dtype])
+                                        dtype=tree_mod.TORCH_DTYPES[headers.item(source, name).spec.dtype])
                     builder.targets[name] = mesh
-                local_shapes = {rank: list(found[name].spec.shape) for rank, found in layouts.items() if name in found}
                 # An optimizer's states repeat their parameter's layout: each layout is planned once. (repr, not
                 # json.dumps: the same key, in a tenth of the time, for thousands of DTensors.)
                 key = repr((node[nodes.DTENSOR_PLACEMENTS], node[nodes.DTENSOR_SHAPE], node[nodes.DTENSOR_MESH],
-                            target.mesh_shape, target.coordinate, target.placements, sorted(local_shapes.items())))
+                            target.mesh_shape, target.coordinate, target.placements))
                 if key not in planned:
-                    planned[key] = reshard.regions(node, builder.saved, local_shapes, target, self._rank)
+                    planned[key] = reshard.regions(node, builder.saved, target, self._rank)
                 regions = planned[key]
+                reshard.check_shapes(node, regions, functools.partial(headers.shape, name=name))
             except reshard.Unmappable as exc:
                 raise WorldSizeChanged(self._unmappable(step, saved, str(exc))) from exc
             reader.fill(name, local, regions)
@@ -175,19 +174,18 @@ class Resharder:
                     other.to_local().copy_(local)
             tensors[name] = local if given else _moved(local, map_location)
         for name in plain_names:
-            spec = specs[name]
+            spec = headers.item(source, name).spec
             destination = filled_plain.get(name)
             plain = destination if destination is not None else torch.empty(spec.shape,
                                                                              dtype=tree_mod.TORCH_DTYPES[spec.dtype])
             rows = (0, spec.shape[0] if spec.shape else 1)
             if plain.numel():
-                reader.fill(name, plain, [reshard.Region(source, rows, (), (), rows)])
+                reader.fill(name, plain, [reshard.Region(source, spec.shape, rows, (), (), rows)])
             tensors[name] = plain if destination is not None else _moved(plain, map_location)
         replaced = destinations.by_node if destinations else None
         return tree_mod.unflatten(tree, tensors, builder, self._allow_pickle, replaced)
 
-    def _check_plain_equal(self, step: int, source: int, plain_names: list[str],
-                           layouts: dict[int, dict[str, st.Placed]], starts: dict[int, int],
+    def _check_plain_equal(self, step: int, source: int, plain_names: list[str], headers: _Headers,
                            files: dict[int, StoredFile]) -> None:
         """Refuse a small plain tensor that differs between saved files: per-rank state no rule can assign.
 
@@ -196,15 +194,16 @@ class Resharder:
         from state that differs per rank.
         """
         for name in plain_names:
-            item = layouts[source][name]
+            item = headers.item(source, name)
             if item.end - item.begin > CHECKED_PLAIN_BYTES:
                 continue
-            expected = bytes(files[source].read(starts[source] + item.begin, starts[source] + item.end))
-            for rank in sorted(layouts):
-                other = layouts[rank].get(name)
-                if rank == source or other is None:
+            start = headers.start(source)
+            expected = bytes(files[source].read(start + item.begin, start + item.end))
+            for rank in sorted(files):
+                if rank == source or headers.shape(rank, name) is None:
                     continue
-                begin, end = starts[rank] + other.begin, starts[rank] + other.end
+                other, start = headers.item(rank, name), headers.start(rank)
+                begin, end = start + other.begin, start + other.end
                 if files[rank].peek(begin, end) == expected or bytes(files[rank].read(begin, end)) == expected:
                     continue
                 raise WorldSizeChanged(self._unassignable(
@@ -225,15 +224,51 @@ class Resharder:
                 "that tensor as Shard or Replicate (or as its full_tensor())")
 
 
-def _header(stored: StoredFile) -> tuple[dict[str, Any], st.Layout]:
-    """A saved rank's state tree and tensor layout, from its checked header."""
-    raw = stored.read(0, stored.header_bytes)
-    try:
-        layout, metadata = st.parse(raw, stored.entry.bytes)
-        tree = json.loads(metadata[nodes.METADATA_KEY])
-    except (KeyError, json.JSONDecodeError) as exc:
-        raise st.HeaderError(f"{stored.where} holds no Stowaway state tree: {exc}") from exc
-    return tree, layout
+class _Headers:
+    """The saved ranks' checked headers. Every one is decoded, so that its state tree is compared with the
+    others'; a tensor's entry is placed only when its bytes are read: placing each of thousands of entries in
+    every saved rank's header cost a resharding rank more than it read, and most of them name shards it does
+    not need."""
+
+    def __init__(self, files: dict[int, StoredFile]) -> None:
+        self._where = {rank: stored.where for rank, stored in files.items()}
+        self._decoded = {rank: st.decode(stored.read(0, stored.header_bytes), stored.entry.bytes)
+                         for rank, stored in files.items()}
+        self._placed: dict[tuple[int, str], st.Placed | None] = {}
+
+    def tree_text(self, rank: int) -> str:
+        text = self._decoded[rank].metadata.get(nodes.METADATA_KEY)
+        if text is None:
+            raise st.HeaderError(f"{self._where[rank]} holds no Stowaway state tree")
+        return text
+
+    def tree(self, rank: int) -> dict[str, Any]:
+        try:
+            tree: dict[str, Any] = json.loads(self.tree_text(rank))
+        except json.JSONDecodeError as exc:
+            raise st.HeaderError(f"{self._where[rank]} holds no Stowaway state tree: {exc}") from exc
+        return tree
+
+    def shape(self, rank: int, name: str) -> tuple[int, ...] | None:
+        """The shape of tensor ``name`` in the rank's file; None if the file has no such tensor."""
+        key = (rank, name)
+        if key not in self._placed:
+            self._placed[key] = self._decoded[rank].placed(name)
+        item = self._placed[key]
+        return None if item is None else item.spec.shape
+
+    def item(self, rank: int, name: str) -> st.Placed:
+        """Tensor ``name`` of the rank's file, whose tree names it."""
+        if self.shape(rank, name) is None:
+            raise st.HeaderError(f"{self._where[rank]}: its state tree names tensor {name!r}, its header does not")
+        return self._placed[(rank, name)]  # type: ignore[return-value]
+
+    def specs(self, rank: int) -> dict[str, st.TensorSpec]:
+        return {name: self.item(rank, name).spec for name in self._decoded[rank].entries}
+
+    def start(self, rank: int) -> int:
+        """Where the rank's file's data begins: the offsets of its tensors count from here."""
+        return len(self._decoded[rank].header)
 
 
 class _Positions:
@@ -265,20 +300,17 @@ def _moved(local: torch.Tensor, map_location: Any) -> torch.Tensor:
 class _Reader:
     """Fills new local tensors from the regions of saved shards that make them up."""
 
-    def __init__(self, files: dict[int, StoredFile], layouts: dict[int, dict[str, st.Placed]],
-                 starts: dict[int, int]) -> None:
+    def __init__(self, files: dict[int, StoredFile], headers: _Headers) -> None:
         self._files = files
-        self._layouts = layouts
-        self._starts = starts
+        self._headers = headers
 
     def fill(self, name: str, local: torch.Tensor, regions: list[reshard.Region]) -> None:
         for region in regions:
-            item = self._layouts[region.rank][name]
+            item = self._headers.item(region.rank, name)
             shape = item.spec.shape
-            element = dtypes.ELEMENT_BYTES[item.spec.dtype]
-            row_bytes = element * math.prod(shape[1:])
-            begin = self._starts[region.rank] + item.begin + region.rows[0] * row_bytes
-            end = self._starts[region.rank] + item.begin + region.rows[1] * row_bytes
+            row_bytes = dtypes.ELEMENT_BYTES[item.spec.dtype] * math.prod(shape[1:])
+            first = self._headers.start(region.rank) + item.begin
+            begin, end = first + region.rows[0] * row_bytes, first + region.rows[1] * row_bytes
             stored = self._files[region.rank]
             if region.whole_rows is not None and local.device.type == "cpu" and local.is_contiguous():
                 rows = local.reshape(1) if not shape else local[region.whole_rows[0] : region.whole_rows[1]]

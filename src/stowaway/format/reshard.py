@@ -27,6 +27,7 @@ differ between saved ranks, which no rule can assign to a new rank.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,10 +49,13 @@ class Region:
     (the first dimension counted from ``rows[0]``), and ``target`` into the
     new local tensor. ``whole_rows`` is set when the rows land unchanged,
     in order, as rows ``whole_rows`` of the new local tensor: they can then
-    be read straight into it.
+    be read straight into it. ``shard_shape`` is the shape the saved rank's
+    shard has under the saved placements: its file must agree
+    (``check_shapes``) before any of these rows are read.
     """
 
     rank: int
+    shard_shape: tuple[int, ...]
     rows: tuple[int, int]
     source: tuple[full_tensors.Indices, ...]
     target: tuple[full_tensors.Indices, ...]
@@ -72,12 +76,12 @@ def new_local_shape(global_shape: list[int], target: Target) -> list[int]:
                                                          target.placements)]
 
 
-def regions(node: nodes.Node, saved_meshes: list[dict[str, Any]], local_shapes: dict[int, list[int]],
-            target: Target, new_rank: int) -> list[Region]:
+def regions(node: nodes.Node, saved_meshes: list[dict[str, Any]], target: Target, new_rank: int) -> list[Region]:
     """The regions that make up the new rank's shard of the DTensor stored as ``node``.
 
-    ``local_shapes`` gives, by saved rank, the shape of its stored shard (from its file's header), for the
-    ranks of the DTensor's saved mesh.
+    They depend on the layouts only, not on the files, so that DTensors laid out alike (a parameter and its
+    optimizer states, a model's repeated layers) share one plan; each file is checked against it with
+    ``check_shapes``.
     """
     name = node[nodes.DTENSOR][nodes.TENSOR]
     global_shape = list(node[nodes.DTENSOR_SHAPE])
@@ -88,17 +92,13 @@ def regions(node: nodes.Node, saved_meshes: list[dict[str, Any]], local_shapes: 
                              "ranks that saved it, which only they can reduce")
     wanted = full_tensors.shard_indices(global_shape, target.mesh_shape, target.coordinate, target.placements)
     if any(not len(ix) for ix in wanted) or not global_shape:
-        return _scalar_region(name, global_shape, saved_meshes[node[nodes.DTENSOR_MESH]], local_shapes, wanted)
+        return _scalar_region(global_shape, saved_meshes[node[nodes.DTENSOR_MESH]], wanted)
     saved_ranks = np.array(saved_meshes[node[nodes.DTENSOR_MESH]][nodes.MESH_RANKS])
     coordinates = {int(rank): list(coordinate) for coordinate, rank in np.ndenumerate(saved_ranks)}
     found: list[Region] = []
     for rank in _readers(saved_ranks, placements, new_rank):
         coordinate = coordinates[rank]
         held = full_tensors.shard_indices(global_shape, saved_ranks.shape, coordinate, placements)
-        shape = local_shapes.get(rank)
-        if shape is None or list(shape) != [len(ix) for ix in held]:
-            raise Unmappable(f"saved rank {rank}'s shard of the DTensor stored as {name!r} has shape {shape}, but "
-                             f"placements {placements} of a {global_shape} tensor give it {[len(ix) for ix in held]}")
         region = _overlap(rank, held, wanted)
         if region is not None:
             found.append(region)
@@ -112,6 +112,19 @@ def _readers(saved_ranks: np.ndarray, placements: list[dict[str, Any]], new_rank
         if nodes.PLACEMENT_REPLICATE in placements[mesh_dim]:
             chosen = np.take(chosen, [new_rank % saved_ranks.shape[mesh_dim]], axis=mesh_dim)
     return sorted(chosen.reshape(-1).tolist())
+
+
+def check_shapes(node: nodes.Node, regions: list[Region], shape_of: Callable[[int], Sequence[int] | None]) -> None:
+    """Refuse a saved rank's file whose shard of the DTensor ``node`` (``shape_of(rank)``: its shape, None if
+    the file lacks it) is not the shape the regions read from it assume."""
+    for region in regions:
+        shape = shape_of(region.rank)
+        if shape is None or tuple(shape) != region.shard_shape:
+            raise Unmappable(
+                f"saved rank {region.rank}'s shard of the DTensor stored as {node[nodes.DTENSOR][nodes.TENSOR]!r} "
+                f"has shape {None if shape is None else list(shape)}, but placements "
+                f"{node[nodes.DTENSOR_PLACEMENTS]} of a {node[nodes.DTENSOR_SHAPE]} tensor give it "
+                f"{list(region.shard_shape)}")
 
 
 def _overlap(rank: int, held: list[full_tensors.Indices], wanted: list[full_tensors.Indices]) -> Region | None:
@@ -144,7 +157,7 @@ def _overlap(rank: int, held: list[full_tensors.Indices], wanted: list[full_tens
     target_contiguous = bool(np.array_equal(target[0], np.arange(target_first, target_first + last - first)))
     whole = (target_first, target_first + last - first) if rows_contiguous and rest_whole and target_contiguous \
         else None
-    return Region(rank, (first, last), tuple(source), tuple(target), whole)
+    return Region(rank, tuple(len(ix) for ix in held), (first, last), tuple(source), tuple(target), whole)
 
 
 def _overlap_of_runs(rank: int, held: list[full_tensors.Indices], wanted: list[full_tensors.Indices]) -> Region | None:
@@ -164,22 +177,19 @@ def _overlap_of_runs(rank: int, held: list[full_tensors.Indices], wanted: list[f
     rest_whole = all(s.start == 0 and len(s) == len(h) and t == s and len(t) == len(w)
                      for s, t, h, w in zip(source[1:], target[1:], held[1:], wanted[1:], strict=True))
     whole = (target[0].start, target[0].stop) if rest_whole else None
-    return Region(rank, rows, tuple(source), tuple(target), whole)
+    return Region(rank, tuple(len(ix) for ix in held), rows, tuple(source), tuple(target), whole)
 
 
 def _contiguous(indices: full_tensors.Indices) -> bool:
     return bool(indices[-1] - indices[0] + 1 == len(indices))
 
 
-def _scalar_region(name: str, global_shape: list[int], mesh: dict[str, Any], local_shapes: dict[int, list[int]],
-                   wanted: list[full_tensors.Indices]) -> list[Region]:
+def _scalar_region(global_shape: list[int], mesh: dict[str, Any], wanted: list[full_tensors.Indices]) -> list[Region]:
     """A 0-d DTensor (replicated by nature) comes from the first saved rank; an empty new shard needs nothing."""
     if global_shape and any(not len(ix) for ix in wanted):
         return []
     first = min(np.array(mesh[nodes.MESH_RANKS]).reshape(-1).tolist())
-    if local_shapes.get(first) != []:
-        raise Unmappable(f"the scalar DTensor stored as {name!r} is not a scalar in saved rank {first}'s file")
-    return [Region(first, (0, 1), (), (), (0, 1))]
+    return [Region(first, (), (0, 1), (), (), (0, 1))]
 
 
 def differences(trees: dict[int, dict[str, Any]]) -> list[str]:
@@ -234,23 +244,30 @@ def split_tensors(tree: dict[str, Any]) -> tuple[list[nodes.Node], list[str]]:
     """The tree's DTensor nodes, one per stored shard, by stored name; and the stored names of its tensors that
     are not DTensor shards (plain tensors, arrays, pickles), sorted.
 
-    One walk of the tree for both: a state of thousands of DTensors made
-    the walks a sixth of a resharding restore's time when each asked its own.
+    One walk of the tree for both, that enters only the nodes that hold
+    others (mappings, lists, tuples): a state of thousands of DTensors made
+    the walks a sixth of a resharding restore's time when each asked its
+    own, and entering every DTensor's lists of dimensions half of what was
+    left.
     """
     found: dict[str, nodes.Node] = {}
     stored: set[str] = set()
     pending = [tree[nodes.TREE_ROOT]]
     while pending:
         node = pending.pop()
-        if isinstance(node, dict):
-            inner = node.get(nodes.DTENSOR)
-            if isinstance(inner, dict):
-                found.setdefault(inner[nodes.TENSOR], node)
+        if nodes.MAPPING in node:
+            for pair in node[nodes.MAPPING]:
+                pending.extend(pair)
+            if nodes.MAPPING_METADATA in node:
+                pending.append(node[nodes.MAPPING_METADATA])
+        elif nodes.LIST in node:
+            pending.extend(node[nodes.LIST])
+        elif nodes.TUPLE in node:
+            pending.extend(node[nodes.TUPLE])
+        elif nodes.DTENSOR in node:
+            found.setdefault(node[nodes.DTENSOR][nodes.TENSOR], node)
+        else:
             for tag in (nodes.TENSOR, nodes.NUMPY, nodes.PICKLED):
-                name = node.get(tag)
-                if isinstance(name, str):
-                    stored.add(name)
-            pending.extend(value for value in node.values() if isinstance(value, dict | list))
-        elif isinstance(node, list):
-            pending.extend(value for value in node if isinstance(value, dict | list))
+                if tag in node:
+                    stored.add(node[tag])
     return [found[name] for name in sorted(found)], sorted(stored - found.keys())

@@ -103,8 +103,28 @@ def plan(specs: list[TensorSpec]) -> Plan:
     return Plan(placed, f",{members}".encode() if members else b"")
 
 
-def parse(buffer: memoryview | bytes, available: int) -> tuple[Layout, dict[str, str]]:
-    """Parse the header at the start of ``buffer`` into its layout and metadata; ``available`` bounds every offset."""
+class Decoded(NamedTuple):
+    """A header decoded but its tensors not yet placed: a reader of a few tensors of a large header (a
+    resharding rank reads a few of each saved rank's) places only those, with ``placed``."""
+
+    header: bytes
+    entries: dict[str, object]
+    metadata: dict[str, str]
+    data_bytes: int
+
+    def placed(self, name: str) -> Placed | None:
+        """Where tensor ``name`` lies in the data, checked against the data's size; None if the header has none."""
+        entry = self.entries.get(name)
+        if entry is None:
+            return None
+        item = _placed(name, entry)
+        if item.begin < 0 or item.end > self.data_bytes:
+            raise HeaderError(f"tensor {name!r} has offsets outside the data")
+        return item
+
+
+def decode(buffer: memoryview | bytes, available: int) -> Decoded:
+    """Decode the header at the start of ``buffer``; ``available`` bounds every offset."""
     if available < 8:
         raise HeaderError(f"payload of {available} bytes is too short for a safetensors header")
     (length,) = struct.unpack_from("<Q", buffer)
@@ -119,15 +139,20 @@ def parse(buffer: memoryview | bytes, available: int) -> tuple[Layout, dict[str,
     metadata = entries.pop(METADATA_KEY, {}) or {}
     if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
         raise HeaderError(f"header's {METADATA_KEY} is not a map of strings")
-    placed = [_placed(name, entry) for name, entry in entries.items()]
+    return Decoded(bytes(buffer[: 8 + length]), entries, metadata, available - 8 - length)
+
+
+def parse(buffer: memoryview | bytes, available: int) -> tuple[Layout, dict[str, str]]:
+    """Parse the header at the start of ``buffer`` into its layout and metadata; ``available`` bounds every offset."""
+    decoded = decode(buffer, available)
+    placed = [_placed(name, entry) for name, entry in decoded.entries.items()]
     placed.sort(key=itemgetter(1))
-    data_bytes = available - 8 - length
     cursor = 0
     for item in placed:
-        if item.begin != cursor or item.end > data_bytes:
+        if item.begin != cursor or item.end > decoded.data_bytes:
             raise HeaderError(f"tensor {item.spec.name!r} has offsets outside the data or leaves a hole")
         cursor = item.end
-    return Layout(bytes(buffer[: 8 + length]), placed), metadata
+    return Layout(decoded.header, placed), decoded.metadata
 
 
 def _placed(name: str, entry: object) -> Placed:
