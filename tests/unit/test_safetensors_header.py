@@ -54,5 +54,5 @@ def test_a_tensor_placed_alone_is_checked_as_it_would_be_with_the_whole_layout()
     assert decoded.placed("missing") is None
     with pytest.raises(st.HeaderError, match="tensor 'far' has offsets outside the data"):
         decoded.placed("far")
-    with pytest.raises(st.HeaderError, match="tensor 'bad' .*do not fit"):
+    with pytest.raises(st.HeaderError, match=r"tensor 'bad' .*do not fit"):
         decoded.placed("bad")
