@@ -5,10 +5,13 @@ tensors: two passes over the state's bytes and, in a new pod, two first
 touches of as much memory (the slot's and the tensors'), one after the
 other. Here the sidecar opens the file read-only and passes the descriptor
 (``Link.open_files``; the storage stays mounted only in the sidecar), and the
-rank reads it with ``O_DIRECT`` in chunks into two small buffers, the next
-chunk read and checksummed on a thread while the last one is copied into
-the destination tensors: the restore takes about the longer of the read and
-the copy, and the slot is allocated later, by ``reserve`` or the first save.
+rank reads it with ``O_DIRECT`` in chunks into a ring of three small
+buffers: one thread only reads, one after the other, while the chunk read
+last is checksummed on a second thread and copied into the destination
+tensors on the caller's. The restore takes about the longest of the read,
+the checksum and the copy, not the read plus the checksum (as when one
+thread read and checksummed: 1.8x the ``O_DIRECT`` read reference at 1 GiB),
+and the slot is allocated later, by ``reserve`` or the first save.
 
 Nothing is returned before the whole file matched the manifest's xxh3-64
 checksum. A file found corrupt or unreadable is left to the sidecar to stage
@@ -24,6 +27,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import queue
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,6 +45,8 @@ from stowaway.format import tree as tree_mod
 from stowaway.storage import checksum, direct_io, manifest
 
 CHUNK_BYTES = 16 * 2**20
+# One being read, one being checksummed and copied, and one read ahead: the reads follow each other.
+BUFFERS = 3
 
 
 def suits(map_location: Any, into: Any) -> bool:
@@ -89,26 +95,57 @@ class _FileReader:
         header_bytes = 8 + self._header_length()
         # Page-sized and page-aligned, as O_DIRECT needs; unmapped when the last view of them goes.
         chunk = max(CHUNK_BYTES, direct_io.page_round(header_bytes))
-        buffers = [mmap.mmap(-1, chunk) for _ in range(2)]
+        buffers = [mmap.mmap(-1, chunk) for _ in range(BUFFERS)]
         self._direct = direct_io.enable(self._fd)
         hasher = checksum.new()
-        with ThreadPoolExecutor(1, thread_name_prefix="stowaway-read") as reading:
-            count = self._read_chunk(buffers[0], 0, hasher)
-            layout, tree = codec.parsed_header(memoryview(buffers[0])[:header_bytes], size)
-            filler = _Filler(layout, tree, into)
-            offset, index = 0, 0
-            while True:
-                following = offset + count
-                pending = (reading.submit(self._read_chunk, buffers[1 - index], following, hasher)
-                           if following < size else None)
-                filler.copy(np.frombuffer(buffers[index], dtype=np.uint8, count=count), offset)
-                if pending is None:
-                    break
-                offset, index, count = following, 1 - index, pending.result()
+        free: queue.Queue[int | None] = queue.Queue()
+        for index in range(BUFFERS):
+            free.put(index)
+        filled: queue.Queue[tuple[int, int, int] | BaseException] = queue.Queue()
+        with ThreadPoolExecutor(1, thread_name_prefix="stowaway-read") as reading, \
+                ThreadPoolExecutor(1, thread_name_prefix="stowaway-hash") as hashing:
+            reading.submit(self._read_all, buffers, free, filled)
+            try:
+                filler = None
+                offset = 0
+                while offset < size:
+                    got = filled.get()
+                    if isinstance(got, BaseException):
+                        raise got
+                    index, offset, count = got
+                    data = memoryview(buffers[index])[:count]
+                    hashed = hashing.submit(hasher.update, data)
+                    if filler is None:
+                        layout, tree = codec.parsed_header(data[:header_bytes], size)
+                        filler = _Filler(layout, tree, into)
+                    filler.copy(np.frombuffer(data, dtype=np.uint8), offset)
+                    hashed.result()
+                    free.put(index)
+                    offset += count
+            finally:
+                free.put(None)  # the reader stops at its next chunk if it is not done
         if hasher.hexdigest() != self._entry.xxh3_64:
             raise CheckpointCorrupt(f"{self._where} does not match the manifest's xxh3-64 checksum; "
                                     "`stowaway verify` names what differs")
+        assert filler is not None
         return filler.state(allow_pickle, meshes)
+
+    def _read_all(self, buffers: list[mmap.mmap], free: queue.Queue[int | None],
+                  filled: queue.Queue[tuple[int, int, int] | BaseException]) -> None:
+        """Read the file chunk after chunk into whichever buffer is free, handing each over as
+        ``(buffer, offset, count)``: the next read starts as soon as one ends, while the last chunk is
+        checksummed and copied on two other threads; an error is handed over instead."""
+        offset = 0
+        try:
+            while offset < self._entry.bytes:
+                index = free.get()
+                if index is None:
+                    return
+                count = self._read_chunk(buffers[index], offset)
+                filled.put((index, offset, count))
+                offset += count
+        except BaseException as exc:
+            filled.put(exc)
 
     def _header_length(self) -> int:
         first = os.pread(self._fd, 8, 0)
@@ -120,8 +157,8 @@ class _FileReader:
                                     f"its {self._entry.bytes} bytes")
         return length
 
-    def _read_chunk(self, buffer: mmap.mmap, offset: int, hasher: Any) -> int:
-        """Read the chunk at ``offset`` into ``buffer`` whole (or to the end of the file), and hash it."""
+    def _read_chunk(self, buffer: mmap.mmap, offset: int) -> int:
+        """Read the chunk at ``offset`` into ``buffer`` whole (or to the end of the file)."""
         wanted = min(len(buffer), self._entry.bytes - offset)
         view = memoryview(buffer)
         done = 0
@@ -141,7 +178,6 @@ class _FileReader:
                 raise CheckpointCorrupt(f"{self._where} ends at byte {offset + done}, where the manifest says it "
                                         f"holds {self._entry.bytes}")
             done += count
-        hasher.update(view[:wanted])
         return wanted
 
 
