@@ -194,16 +194,14 @@ class Resharder:
         from state that differs per rank.
         """
         for name in plain_names:
-            item = headers.item(source, name)
-            if item.end - item.begin > CHECKED_PLAIN_BYTES:
+            begin, end = headers.span(source, name)
+            if end - begin > CHECKED_PLAIN_BYTES:
                 continue
-            start = headers.start(source)
-            expected = bytes(files[source].read(start + item.begin, start + item.end))
+            expected = bytes(files[source].read(begin, end))
             for rank in sorted(files):
                 if rank == source or headers.shape(rank, name) is None:
                     continue
-                other, start = headers.item(rank, name), headers.start(rank)
-                begin, end = start + other.begin, start + other.end
+                begin, end = headers.span(rank, name)
                 if files[rank].peek(begin, end) == expected or bytes(files[rank].read(begin, end)) == expected:
                     continue
                 raise WorldSizeChanged(self._unassignable(
@@ -251,24 +249,29 @@ class _Headers:
 
     def shape(self, rank: int, name: str) -> tuple[int, ...] | None:
         """The shape of tensor ``name`` in the rank's file; None if the file has no such tensor."""
-        key = (rank, name)
-        if key not in self._placed:
-            self._placed[key] = self._decoded[rank].placed(name)
-        item = self._placed[key]
+        item = self._placed_once(rank, name)
         return None if item is None else item.spec.shape
 
     def item(self, rank: int, name: str) -> st.Placed:
         """Tensor ``name`` of the rank's file, whose tree names it."""
-        if self.shape(rank, name) is None:
+        item = self._placed_once(rank, name)
+        if item is None:
             raise st.HeaderError(f"{self._where[rank]}: its state tree names tensor {name!r}, its header does not")
-        return self._placed[(rank, name)]  # type: ignore[return-value]
+        return item
+
+    def span(self, rank: int, name: str) -> tuple[int, int]:
+        """Where tensor ``name``'s bytes lie in the rank's file."""
+        item, start = self.item(rank, name), len(self._decoded[rank].header)
+        return start + item.begin, start + item.end
 
     def specs(self, rank: int) -> dict[str, st.TensorSpec]:
         return {name: self.item(rank, name).spec for name in self._decoded[rank].entries}
 
-    def start(self, rank: int) -> int:
-        """Where the rank's file's data begins: the offsets of its tensors count from here."""
-        return len(self._decoded[rank].header)
+    def _placed_once(self, rank: int, name: str) -> st.Placed | None:
+        key = (rank, name)
+        if key not in self._placed:
+            self._placed[key] = self._decoded[rank].placed(name)
+        return self._placed[key]
 
 
 class _Positions:
@@ -309,7 +312,7 @@ class _Reader:
             item = self._headers.item(region.rank, name)
             shape = item.spec.shape
             row_bytes = dtypes.ELEMENT_BYTES[item.spec.dtype] * math.prod(shape[1:])
-            first = self._headers.start(region.rank) + item.begin
+            first = self._headers.span(region.rank, name)[0]
             begin, end = first + region.rows[0] * row_bytes, first + region.rows[1] * row_bytes
             stored = self._files[region.rank]
             if region.whole_rows is not None and local.device.type == "cpu" and local.is_contiguous():
