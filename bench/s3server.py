@@ -145,6 +145,17 @@ class S3Server:
         store = self.store(bucket)
         self._once_serving(lambda: obstore.list_with_delimiter(store), "answer a listing")
 
+    def wait_writable(self, bucket: str) -> None:
+        """Return once the server, started again, takes an upload to ``bucket``: it answers listings before its
+        volumes take writes again."""
+        store = self.store(bucket)
+
+        def probe() -> None:
+            obstore.put(store, ".probe", b"")
+            obstore.delete(store, ".probe")
+
+        self._once_serving(probe, "accept an upload")
+
     def _once_serving(self, request: Callable[[], object], what: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while True:

@@ -42,14 +42,16 @@ def _at(spec: Mapping[str, Any], path: tuple[str, ...]) -> Any:
 
 @dataclass(frozen=True)
 class Location:
-    """A path the sidecar must be given (``--flag PATH``); the command line makes it absolute."""
+    """A path (``--flag PATH``), one the sidecar must be given unless ``required`` is False; the command line
+    makes it absolute."""
 
     name: str
     flag: str
     help: str
+    required: bool = True
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(self.flag, dest=self.name, type=_absolute_path, required=True,
+        parser.add_argument(self.flag, dest=self.name, type=_absolute_path, required=self.required,
                             metavar=_metavar(self.flag), help=self.help)
 
     def command_line(self, path: str) -> list[str]:
@@ -177,7 +179,8 @@ class Repeated(Generic[V]):
         return [self.flag, str(value)]
 
 
-STORAGE = Location("storage", "--storage", "durable storage directory (a PVC mount)")
+STORAGE = Location("storage", "--storage",
+                   "durable storage directory (a PVC mount); without it, --bucket is the storage", required=False)
 SOCKET = Location("socket_path", "--socket", "Unix socket path (shorter than 108 bytes)")
 SHM_DIR = Location("shm_dir", "--shm-dir", "shared-memory directory holding slot files")
 NODE = Text("node", "--node-name", None, "name of this node in receipts (default: $NODE_NAME or the host name)")
@@ -244,9 +247,10 @@ ALLOWED_UIDS = Repeated(
 # (a Secret's keys as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the pod's workload identity).
 BUCKET = Text(
     "bucket", "--bucket", "",
-    "also keep checkpoints in this bucket, s3://BUCKET/PREFIX: each step committed in --storage is uploaded "
-    "in the background (manifest last), and load() restores from the bucket when --storage holds none "
-    "(default: no bucket)",
+    "keep checkpoints in this bucket, s3://BUCKET/PREFIX. With --storage, a second tier: each step committed in "
+    "--storage is uploaded in the background (manifest last), and load() restores from the bucket when "
+    "--storage holds none. Without --storage, the storage itself: ranks' files are uploaded from their slots and "
+    "committed in the bucket (default: no bucket)",
     metavar="URL",
 )
 BUCKET_ENDPOINT = Text(

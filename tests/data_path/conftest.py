@@ -30,8 +30,10 @@ def storage(short_tmp: Path) -> Path:
 def start_sidecar(short_tmp: Path, storage: Path) -> Iterator[Callable[..., SidecarProcess]]:
     started: list[SidecarProcess] = []
 
-    def start(name: str = "a", extra: list[str] | None = None, storage_dir: Path | None = None) -> SidecarProcess:
-        sidecar = SidecarProcess(short_tmp, storage_dir or storage, name, extra).start()
+    def start(name: str = "a", extra: list[str] | None = None, storage_dir: Path | None = None,
+              claim: bool = True) -> SidecarProcess:
+        """``claim`` False: a sidecar without a storage directory, whose ``--bucket`` in ``extra`` is its storage."""
+        sidecar = SidecarProcess(short_tmp, (storage_dir or storage) if claim else None, name, extra).start()
         started.append(sidecar)
         return sidecar
 

@@ -58,7 +58,8 @@ def other_uids_unavailable() -> str | None:
 
 
 class SidecarProcess:
-    def __init__(self, root: Path, storage: Path, name: str = "a", extra: list[str] | None = None) -> None:
+    def __init__(self, root: Path, storage: Path | None, name: str = "a", extra: list[str] | None = None) -> None:
+        """``storage`` None: no directory, the sidecar's ``--bucket`` (in ``extra``) is its storage."""
         self.root = root
         self.storage = storage
         self.name = name
@@ -70,8 +71,9 @@ class SidecarProcess:
 
     def start(self, extra: list[str] | None = None) -> SidecarProcess:
         args = [
-            sys.executable, "-m", "stowaway", "sidecar", "--storage", str(self.storage), "--socket", str(self.socket),
-            "--shm-dir", str(self.shm_dir), "--node-name", self.name, "--keep-last", "1000",
+            sys.executable, "-m", "stowaway", "sidecar", *(["--storage", str(self.storage)] if self.storage else []),
+            "--socket", str(self.socket), "--shm-dir", str(self.shm_dir), "--node-name", self.name,
+            "--keep-last", "1000",
             "--commit-poll-interval", "0.01", *self.extra, *(extra or []),
         ]
         log = self.log_path.open("ab")

@@ -18,7 +18,7 @@ from faulty_proxy import FaultyProxy
 from s3server import ADMIN, READER, TRAINER, S3Server, weed_binary
 
 from data_path.processes import wait_for
-from stowaway.storage import bucket, bucket_jobs, catalog
+from stowaway.storage import bucket, bucket_jobs, bucket_store, catalog
 
 pytestmark = [pytest.mark.s3, pytest.mark.faults]
 FAST_RETRIES = ["--upload-retry-timeout", "1", "--upload-retry-interval", "0.2"]
@@ -229,3 +229,56 @@ def test_on_several_nodes_only_the_one_hosting_rank_zero_uploads_and_resumes(
              timeout=120, log=nodes[0].log)
     assert nodes[0].log().count("uploading step 2 of job multi") >= 1
     assert "uploading" not in nodes[1].log(), "node b uploaded although node a hosts rank 0"
+
+
+def bucket_alone_steps(server: S3Server) -> list[int]:
+    return bucket_store.open_bucket("s3://ckpt/alone", bucket.Settings(endpoint=server.endpoint,
+                                                                       retry_seconds=5)).committed_steps("job")
+
+
+def test_without_a_claim_a_bucket_down_fails_the_step_hands_the_slot_back_and_the_next_one_commits(
+        own_server: S3Server, start_sidecar, start_rank) -> None:
+    sidecar = start_sidecar(extra=["--bucket", "s3://ckpt/alone", *FAST_RETRIES], claim=False)
+    rank = start_rank(sidecar)
+    rank.save(1)
+    assert rank.wait(1).get("committed")
+
+    own_server.stop()
+    rank.save(2)
+    failed = rank.wait(2, timeout=60)
+    assert not failed["committed"]
+    assert "bucket_unreachable" in failed["error"] and "check the endpoint" in failed["error"], failed["error"]
+    own_server.start()
+    own_server.wait_writable("ckpt")
+    # The slot came back with the failure: the rank saves on, and the bucket commits the next step.
+    rank.save(3)
+    assert rank.wait(3, timeout=60).get("committed"), sidecar.log()
+    assert bucket_alone_steps(own_server) == [1, 3]
+    rank.exit()
+
+
+def test_without_a_claim_a_sidecar_killed_mid_upload_commits_nothing_torn_and_the_job_goes_on(
+        own_server: S3Server, start_sidecar, start_rank) -> None:
+    assert own_server.process is not None
+    extra = ["--bucket", "s3://ckpt/alone", "--upload-part-size", str(5 * 2**20), "--upload-concurrency", "2"]
+    sidecar = start_sidecar(extra=extra, claim=False)
+    rank = start_rank(sidecar)
+    rank.save(1, numel=2_000_000)
+    assert rank.wait(1).get("committed")
+
+    # Frozen, so that the upload of step 2 is certainly under way when the sidecar dies.
+    os.killpg(own_server.process.pid, signal.SIGSTOP)
+    rank.save(2, numel=2_000_000)
+    wait_for(lambda: not rank.done(2) and sidecar.alive(), "the upload of step 2 to be under way")
+    sidecar.kill()
+    rank.kill()
+    os.killpg(own_server.process.pid, signal.SIGCONT)
+    assert bucket_alone_steps(own_server) == [1], "a torn upload counts as committed"
+
+    sidecar.start()
+    restarted = start_rank(sidecar, run_id="second-run")
+    assert restarted.call(op="load") == {"step": 1, "intact": True, "numel": 2_000_000}
+    restarted.save(2, numel=2_000_000)
+    assert restarted.wait(2).get("committed"), "the step torn before is saved again"
+    assert bucket_alone_steps(own_server) == [1, 2]
+    restarted.exit()

@@ -28,6 +28,7 @@ from stowaway.sidecar.config import SidecarConfig
 from stowaway.sidecar.ranks import Registry
 from stowaway.sidecar.stats import Stats
 from stowaway.storage import checksum, durable, layout, manifest
+from stowaway.storage.directory_store import DirectoryStore
 
 if TYPE_CHECKING:
     from stowaway.sidecar.session import Session
@@ -172,7 +173,7 @@ class Node:
         )
         self.registry = Registry()
         self.stats = Stats()
-        self.committer = coordinator.Committer(self.config, self.registry, self.stats, clock)
+        self.committer = coordinator.Committer(self.config, self.registry, self.stats, DirectoryStore(storage), clock)
 
     def connect(self, job: str, rank: int, world_size: int, local_world_size: int) -> RankConnection:
         connection = RankConnection()
@@ -185,8 +186,11 @@ class Node:
 
     def hand_over(self, job: str, run: str, step: int, rank: int, world_size: int,
                   local_world_size: int) -> str | None:
-        """A rank's ``persist`` of ``step`` reaching the committer: None when admitted, else why not."""
-        return self.committer.admit(job, run, step, rank, world_size, local_world_size)
+        """A rank's ``persist`` of ``step`` reaching the committer, as the pipeline hands it over (the storage's
+        verdict first): None when admitted, else why not."""
+        refusal = self.committer.stored_refusal(job, run, step, world_size, local_world_size)
+        return refusal if refusal is not None else self.committer.admit(job, run, step, rank, world_size,
+                                                                        local_world_size)
 
     async def persist(self, job: str, step: int, rank: int, world_size: int) -> None:
         """Write the rank's file durably, as the persister would, and report it."""

@@ -121,8 +121,8 @@ def test_an_unreadable_notice_admits_the_step(tmp_path: Path) -> None:
 def test_failures_are_remembered_for_a_bounded_number_of_steps(tmp_path: Path) -> None:
     node = Node(tmp_path, "a", FakeClock())
     clock = FakeClock()
-    gate = admission.Admission(publishing.Publisher(node.config, clock),
-                               notices.NoticeBoard("a", clock, 0.2), Stats())
+    gate = admission.Admission(publishing.Publisher(node.config, clock, node.committer.store),
+                               notices.NoticeBoard("a", clock, 0.2, node.committer.store), Stats())
     for step in range(300):
         gate.remember("job", step, "run-1", f"step {step} failed")
 
@@ -136,12 +136,13 @@ def test_a_step_being_gathered_is_only_refused_for_another_run_or_a_failure(tmp_
     node = Node(tmp_path, "a", FakeClock())
     clock = FakeClock()
     stats = Stats()
-    gate = admission.Admission(publishing.Publisher(node.config, clock), notices.NoticeBoard("a", clock, 0.2), stats)
+    gate = admission.Admission(publishing.Publisher(node.config, clock, node.committer.store),
+                               notices.NoticeBoard("a", clock, 0.2, node.committer.store), stats)
     (node.step_path("job", 1)).mkdir(parents=True)
     (node.step_path("job", 1) / layout.MANIFEST).write_text("{}")
     pending = gathering.PendingStep("job", "run-1", 1, 2, 2, started_unix=0.0, started=0.0)
 
-    assert gate.refusal("job", "run-1", 1, 2, 2, pending) is None, "storage is not looked at again"
+    assert gate.refusal("job", "run-1", 1, pending) is None, "storage is not looked at again"
     gate.remember("job", 1, "run-1", "rank 0: disk full")
-    assert gate.refusal("job", "run-1", 1, 2, 2, pending) == "rank 0: disk full"
+    assert gate.refusal("job", "run-1", 1, pending) == "rank 0: disk full"
     assert stats.summary()["failures"] == {}

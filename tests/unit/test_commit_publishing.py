@@ -7,6 +7,7 @@ from pathlib import Path
 from stowaway.sidecar.commit import gathering, publishing
 from stowaway.sidecar.config import SidecarConfig
 from stowaway.storage import catalog, durable, layout, manifest
+from stowaway.storage.directory_store import DirectoryStore
 from unit.commit_harness import FakeClock
 
 
@@ -14,7 +15,7 @@ def _publisher(storage: Path, clock: FakeClock) -> publishing.Publisher:
     return publishing.Publisher(
         SidecarConfig(storage=storage, socket_path=Path("unused.sock"), shm_dir=storage / "unused-shm",
                       node="a", keep_last=2),
-        clock,
+        clock, DirectoryStore(storage),
     )
 
 
@@ -25,7 +26,7 @@ def _pending(step: int, run: str = "run-1") -> gathering.PendingStep:
 
 def _receipt(publisher: publishing.Publisher, node: str, step: int, ranks: tuple[int, ...],
              run: str = "run-1") -> None:
-    step_path = publisher.step_path("job", step)
+    step_path = publisher.store.step_path("job", step)
     durable.make_dirs(step_path)
     files = [manifest.FileEntry(rank, layout.rank_file_name(rank, 4), 8, f"{rank:016x}") for rank in ranks]
     manifest.write_receipt(step_path, manifest.Receipt(node, run, step, 4, files))
@@ -41,7 +42,7 @@ def test_the_manifest_is_written_only_once_this_runs_receipts_cover_every_rank(t
 
     _receipt(publisher, "b", 1, (2, 3))
     assert publisher.commit_if_complete(_pending(1)) is None
-    found = manifest.read_manifest(publisher.step_path("job", 1))
+    found = manifest.read_manifest(publisher.store.step_path("job", 1))
     assert found.nodes == ["a", "b"] and [entry.rank for entry in found.files] == [0, 1, 2, 3]
     assert found.timings == {"first_persist_unix": 1_000.0, "commit_seconds": clock.wall() - 1_000.0}
     assert (tmp_path / "job" / layout.LATEST).read_text() == "1\n"
@@ -77,4 +78,4 @@ def test_retention_keeps_the_newest_and_leaves_busy_steps_alone(tmp_path: Path) 
 
     publisher.retain("job", busy={4})
     assert catalog.committed_steps(tmp_path / "job") == [2, 3]
-    assert publisher.step_path("job", 4).is_dir()
+    assert publisher.store.step_path("job", 4).is_dir()

@@ -125,7 +125,8 @@ def test_every_field_of_the_sidecar_config_is_a_declared_setting_with_the_declar
     for setting in sidecar_settings.ALL:
         field = fields[setting.name]
         if isinstance(setting, sidecar_settings.Location):
-            assert field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+            required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+            assert required == setting.required, f"{setting.flag}: required on the command line and in the config"
         elif isinstance(setting, sidecar_settings.Repeated) or setting.default is None:
             assert field.default_factory is not dataclasses.MISSING, f"{setting.flag}: the config computes it"
         else:
@@ -195,3 +196,8 @@ def test_a_value_out_of_range_is_refused_with_its_flag_what_it_takes_and_what_it
 
 def test_the_table_above_covers_every_setting_with_limits() -> None:
     assert {name for overrides, _ in OUT_OF_RANGE for name in overrides} == {s.name for s in sidecar_settings.CHECKED}
+
+
+def test_a_sidecar_given_neither_a_directory_nor_a_bucket_says_what_to_give() -> None:
+    with pytest.raises(ValueError, match=r"give --storage DIR .*, --bucket s3://BUCKET/PREFIX, or both"):
+        SidecarConfig(socket_path=Path("s.sock"), shm_dir=Path("shm"))

@@ -121,7 +121,8 @@ class Restorer:
                 else:
                     # Also when the slot held it at the inventory but a newer candidate was staged into it since.
                     source = "storage"
-                    state, bytes_read = self._from_storage(candidate, sizes[candidate], map_location, meshes, into)
+                    state, bytes_read = self._from_storage(candidate, sizes[candidate], map_location, meshes, into,
+                                                           inventory.files_passed)
             except WorldSizeChanged as exc:
                 refused = (True, str(exc))
             except UnsupportedState as exc:
@@ -169,10 +170,11 @@ class Restorer:
                         "and stowaway_restores_total miss it: %s", self._rank, restore.step, self._link.last_error)
 
     def _from_storage(self, step: int, nbytes: int, map_location: Any, meshes: tuple[Any, ...],
-                      into: Any) -> tuple[Any, int]:
-        """Read this rank's stored file where every destination is on the CPU, else (and where that read finds
-        the file corrupt or cannot read it) have the sidecar stage it into a slot and restore from the slot."""
-        if file_restore.suits(map_location, into):
+                      into: Any, files_passed: bool) -> tuple[Any, int]:
+        """Read this rank's stored file where every destination is on the CPU and the sidecar passes stored files,
+        else (and where that read finds the file corrupt or cannot read it) have the sidecar stage it into a slot
+        and restore from the slot."""
+        if files_passed and file_restore.suits(map_location, into):
             try:
                 return file_restore.load(self._link, self._job, self._rank, step, self._allow_pickle, meshes, into)
             except (CheckpointCorrupt, SaveFailed, OSError, HeaderError) as exc:

@@ -294,6 +294,9 @@ class Inventory(ToClient):
     committed: tuple[StoredStep, ...]
     memory: tuple[StepInSlot, ...]
     other_world: tuple[OtherWorldStep, ...]
+    # False where the sidecar's storage is a bucket alone: it passes no stored files (``open``), and stages a
+    # rank's own file into its slot instead.
+    files_passed: bool = True
 
 
 @dataclass(frozen=True)

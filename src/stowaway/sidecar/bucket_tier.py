@@ -47,17 +47,12 @@ log = logging.getLogger(__name__)
 
 
 class BucketTier:
-    def __init__(self, config: SidecarConfig, metrics: BucketMetrics) -> None:
+    def __init__(self, config: SidecarConfig, claim: Path, metrics: BucketMetrics) -> None:
         self._config = config
+        self._claim = claim
         self._metrics = metrics
         self._location = bucket.Location.parse(config.bucket)
-        self._settings = bucket.Settings(
-            endpoint=config.bucket_endpoint or None, region=config.bucket_region or None,
-            virtual_hosted=config.bucket_virtual_hosted,
-            ca_bundle=Path(config.bucket_ca_bundle) if config.bucket_ca_bundle else None,
-            part_bytes=config.upload_part_bytes, concurrency=config.upload_concurrency,
-            retry_seconds=config.upload_retry_timeout,
-        )
+        self._settings = config.bucket_settings()
         self._bucket: bucket.Bucket | None = None
         self._wanted: set[str] = set()
         # Per job, the steps committed in the bucket as this sidecar last listed or made them.
@@ -80,7 +75,7 @@ class BucketTier:
         return self._location
 
     def _job_path(self, job: str) -> Path:
-        return layout.job_dir(self._config.storage, job)
+        return layout.job_dir(self._claim, job)
 
     def _open(self) -> bucket.Bucket:
         """The client, made on first use in a worker thread: importing obstore takes a moment."""
@@ -90,7 +85,7 @@ class BucketTier:
 
     def start(self) -> None:
         """Resume: every job on the claim is compared with the bucket once, then on each commit."""
-        storage = self._config.storage
+        storage = self._claim
         if storage.is_dir():
             self._wanted.update(child.name for child in storage.iterdir() if layout.is_job_dir(child))
         self._wake.set()

@@ -44,6 +44,8 @@ FAILURE_REASONS = (
     "storage_full", "storage_read_only", "storage_io", "slot_invalid", "slot_overwritten", "commit_timeout",
     "other_node_failed", "protocol", "peer_refused", "internal", "restore_missing", "restore_slot_small",
     "restore_io", "restore_corrupt", "step_refused",
+    # A bucket as the storage itself (``storage.bucket_store``): what a bucket refused, and a second manifest.
+    *bucket.KINDS, "manifest_exists",
 )
 
 # Where a rank's load() may have found the step it restored; the protocol validates the label's value.

@@ -2,19 +2,20 @@
 
 Two phases, so that the rank gets its slot back as early as possible:
 ``copy_out`` reads the slot (the rank must not write meanwhile) and returns;
-the sidecar then releases the slot and calls ``make_durable`` (fdatasync,
-rename, directory fsync), which no longer reads shared memory.
+the sidecar then releases the slot and calls ``make_durable`` (on a
+directory: fdatasync, rename, directory fsync), which no longer reads shared
+memory. A bucket stores the file whole inside ``copy_out`` (a multipart
+upload completes only once every part is in), so there the slot stays the
+sidecar's until the upload ends.
 
-After copying, the slot header is read again: if the generation moved, some
-writer broke the ownership rule, and the copy is thrown away rather than
-committed torn. Writes go straight from the slot's mapping to the device
-(``storage.direct_io``).
+After copying, and before any of it can be made visible, the slot header is
+read again: if the generation moved, some writer broke the ownership rule,
+and the copy is thrown away rather than committed torn.
 """
 
 from __future__ import annotations
 
 import errno
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -23,8 +24,7 @@ from pathlib import Path
 
 from stowaway.slots import header
 from stowaway.slots.shm import SlotFile
-from stowaway.storage import checksum, direct_io, durable
-from stowaway.storage.layout import TMP_SUFFIX
+from stowaway.storage import checksum, step_store
 
 
 class PersistError(Exception):
@@ -39,7 +39,7 @@ class StepAbandoned(Exception):
     """The step failed while its persist ran, and has been counted and reported already; the persist stops."""
 
 
-def classify(exc: OSError, path: Path) -> PersistError:
+def classify(exc: OSError, path: Path | str) -> PersistError:
     kinds = {errno.ENOSPC: "storage_full", errno.EDQUOT: "storage_full", errno.EROFS: "storage_read_only"}
     kind = kinds.get(exc.errno or 0, "storage_io")
     hint = {
@@ -72,12 +72,10 @@ class RateLimiter:
 
 @dataclass
 class Written:
-    tmp: Path
-    final: Path
-    fd: int
+    target: step_store.RankFileWrite
     nbytes: int
     digest: str
-    pieces: checksum.Pieces | None = None
+    pieces: checksum.Pieces
 
 
 def check_slot(slot: SlotFile, step: int, generation: int, nbytes: int) -> None:
@@ -101,13 +99,13 @@ def check_slot(slot: SlotFile, step: int, generation: int, nbytes: int) -> None:
         )
 
 
-def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Path,
-             limiter: RateLimiter, direct: bool, abandoned: Callable[[], str | None]) -> Written:
-    """Write the slot's payload to a temporary file beside ``final``.
+def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, target: step_store.RankFileWrite,
+             limiter: RateLimiter, abandoned: Callable[[], str | None]) -> Written:
+    """Write the slot's payload to ``target``; once this returns, the slot is no longer read.
 
     Before each chunk, ``abandoned`` says whether the step has failed
-    meanwhile (on this node or another); the copy then stops, and its
-    partial file is removed.
+    meanwhile (on this node or another); the copy then stops, and what it
+    wrote is removed.
     """
     check_slot(slot, step, generation, nbytes)
 
@@ -116,18 +114,8 @@ def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Pat
         reason = abandoned()
         if reason is not None:
             raise StepAbandoned(f"stopped persisting step {step}: {reason}")
-    try:
-        durable.make_dirs(final.parent)
-    except OSError as exc:
-        raise classify(exc, final.parent) from exc
-    tmp = final.with_name(final.name + TMP_SUFFIX)
-    try:
-        fd = direct_io.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, durable.FILE_MODE, direct)
-    except OSError as exc:
-        raise classify(exc, tmp) from exc
-    written = Written(tmp, final, fd, nbytes, "")
-    try:
-        written.digest, written.pieces = direct_io.write_from(fd, slot.payload(), nbytes, before_chunk)
+
+    def unchanged() -> None:
         after = slot.read_header()
         if not after.complete or after.generation != generation:
             raise PersistError(
@@ -135,8 +123,9 @@ def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Pat
                 f"slot {slot.path} changed while it was being persisted (generation {generation} -> "
                 f"{after.generation}); the copy was discarded",
             )
+    try:
+        digest, pieces = target.write(slot.payload(), nbytes, before_chunk, unchanged)
     except OSError as exc:
-        discard(written)
         if exc.errno == errno.EFAULT:
             # The kernel could not read our own mapping: the slot file was truncated under it.
             raise PersistError(
@@ -144,23 +133,16 @@ def copy_out(slot: SlotFile, step: int, generation: int, nbytes: int, final: Pat
                 f"slot {slot.path} shrank while it was being persisted; the copy was discarded (some process "
                 "truncated a slot the sidecar owned: this is a client bug, please report it)",
             ) from exc
-        raise classify(exc, tmp) from exc
-    except BaseException:
-        discard(written)
-        raise
-    return written
+        raise classify(exc, target.where) from exc
+    except step_store.StoreError as exc:
+        raise PersistError(exc.kind, str(exc)) from exc
+    return Written(target, nbytes, digest, pieces)
 
 
 def make_durable(written: Written) -> None:
-    fd, written.fd = written.fd, -1
     try:
-        durable.publish(fd, written.tmp, written.final)
+        written.target.finish()
     except OSError as exc:
-        raise classify(exc, written.final) from exc
-
-
-def discard(written: Written) -> None:
-    if written.fd >= 0:
-        os.close(written.fd)
-        written.fd = -1
-    written.tmp.unlink(missing_ok=True)
+        raise classify(exc, written.target.where) from exc
+    except step_store.StoreError as exc:
+        raise PersistError(exc.kind, str(exc)) from exc

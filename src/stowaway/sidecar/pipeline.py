@@ -1,5 +1,8 @@
 """One persist, start to finish: slot → file → release → durable → commit.
 
+(On a bucket the file is whole, and durable, before the slot is released:
+``persister``.)
+
 Every persist ends in exactly one ``released`` or ``failed`` carrying its slot,
 sent on the rank's current connection, whatever goes wrong.
 """
@@ -30,12 +33,14 @@ class SavePipeline:
         self._limiter = persister.RateLimiter(config.write_rate_limit)
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def start(self, state: RankState, request: messages.Persist) -> None:
+    async def start(self, state: RankState, request: messages.Persist) -> None:
         """Take ownership of the slot and persist it in the background."""
         slot, step = request.slot, request.step
-        refusal = self._committer.admit(
-            state.job, request.run, step, state.rank, state.world_size, state.local_world_size
-        )
+        refusal = await asyncio.to_thread(self._committer.stored_refusal, state.job, request.run, step,
+                                          state.world_size, state.local_world_size)
+        if refusal is None:
+            refusal = self._committer.admit(state.job, request.run, step, state.rank, state.world_size,
+                                            state.local_world_size)
         if refusal is not None:
             state.send(messages.Failed(step=step, slot=slot, reason=refusal))
             return
@@ -48,16 +53,14 @@ class SavePipeline:
 
     async def _persist(self, state: RankState, request: messages.Persist) -> None:
         slot_index, step = request.slot, request.step
-        final = layout.step_dir(self._committer.job_path(state.job), step) / layout.rank_file_name(
-            state.rank, state.world_size
-        )
+        name = layout.rank_file_name(state.rank, state.world_size)
+        target = self._committer.store.rank_file(state.job, step, name)
         try:
             async with self._workers:
                 started = time.monotonic()
                 written = await asyncio.to_thread(
-                    persister.copy_out, state.slots[slot_index], step, request.generation,
-                    request.nbytes, final, self._limiter, self._config.direct_io,
-                    lambda: self._committer.abandoned(state.job, request.run, step),
+                    persister.copy_out, state.slots[slot_index], step, request.generation, request.nbytes, target,
+                    self._limiter, lambda: self._committer.abandoned(state.job, request.run, step),
                 )
                 state.memory_digests[slot_index] = (request.generation, step, written.digest)
                 state.busy.discard(slot_index)
@@ -75,7 +78,7 @@ class SavePipeline:
             self._answer_failure(state, slot_index, step, "internal", f"internal error: {exc!r}")
             return
         state.send(messages.Persisted(step=step))
-        entry = manifest.FileEntry.written(state.rank, final.name, written.nbytes, written.digest, written.pieces)
+        entry = manifest.FileEntry.written(state.rank, name, written.nbytes, written.digest, written.pieces)
         await self._committer.durable(state.job, step, entry)
 
     def _answer_failure(self, state: RankState, slot: int, step: int, kind: str, reason: str) -> None:

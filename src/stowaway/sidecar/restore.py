@@ -22,12 +22,12 @@ from stowaway.protocol import messages
 from stowaway.sidecar.persister import PersistError
 from stowaway.sidecar.ranks import RankState
 from stowaway.slots import header, naming
-from stowaway.storage import catalog, checksum, direct_io, layout, manifest
+from stowaway.storage import checksum, layout, manifest, step_store
 
 MAX_LISTED_STEPS = 64
 
 
-def inventory(job_path: Path, state: RankState) -> messages.Inventory:
+def inventory(store: step_store.StepStore, state: RankState) -> messages.Inventory:
     """Committed steps with this rank's file size, which of them its slots hold intact, and those saved by
     another number of ranks.
 
@@ -38,9 +38,9 @@ def inventory(job_path: Path, state: RankState) -> messages.Inventory:
     committed: list[messages.StoredStep] = []
     memory: list[messages.StepInSlot] = []
     other_world: list[messages.OtherWorldStep] = []
-    for step in reversed(catalog.committed_steps(job_path)[-MAX_LISTED_STEPS:]):
+    for step in reversed(store.committed_steps(state.job)[-MAX_LISTED_STEPS:]):
         try:
-            found = manifest.read_manifest(layout.step_dir(job_path, step))
+            found = store.read_manifest(state.job, step)
         except manifest.ManifestError:
             continue
         if found.world_size != state.world_size:
@@ -54,7 +54,8 @@ def inventory(job_path: Path, state: RankState) -> messages.Inventory:
         slot = _slot_holding(state, step, entry)
         if slot is not None:
             memory.append(messages.StepInSlot(step=step, slot=slot))
-    return messages.Inventory(committed=tuple(committed), memory=tuple(memory), other_world=tuple(other_world))
+    return messages.Inventory(committed=tuple(committed), memory=tuple(memory), other_world=tuple(other_world),
+                              files_passed=store.passes_files)
 
 
 def _slot_holding(state: RankState, step: int, entry: manifest.FileEntry) -> int | None:
@@ -81,42 +82,39 @@ def _slot_holding(state: RankState, step: int, entry: manifest.FileEntry) -> int
     return None
 
 
-def stage(job_path: Path, state: RankState, index: int, step: int, direct: bool) -> tuple[int, int]:
+def stage(store: step_store.StepStore, state: RankState, index: int, step: int) -> tuple[int, int]:
     """Fill the rank's slot ``index`` with its stored file of ``step``; return (generation, nbytes)."""
     slot = state.slots[index]
-    step_path = layout.step_dir(job_path, step)
     try:
-        entry = manifest.read_manifest(step_path).file_for(state.rank)
+        entry = store.read_manifest(state.job, step).file_for(state.rank)
     except manifest.ManifestError as exc:
         raise PersistError("restore_missing", f"step {step} cannot be restored: {exc}") from exc
     if entry.bytes > slot.capacity:
         raise PersistError(
             "restore_slot_small", f"slot {slot.path} holds {slot.capacity} bytes, step {step} needs {entry.bytes}"
         )
-    path = step_path / entry.name
+    where = store.where(state.job, step, entry.name)
     current = slot.read_header()
     generation = current.generation + 1
     header.begin_write(slot.header_view, generation)
     try:
-        fd = direct_io.open_file(path, os.O_RDONLY, direct=direct)
-        try:
-            offset, digest = direct_io.read_into(fd, slot.payload(), entry.bytes)
-        finally:
-            os.close(fd)
+        offset, digest = store.read_into(state.job, step, entry, slot.payload())
     except OSError as exc:
-        raise PersistError("restore_io", f"cannot read {path}: {exc.strerror}") from exc
+        raise PersistError("restore_io", f"cannot read {where}: {exc.strerror}") from exc
+    except step_store.StoreError as exc:
+        raise PersistError("restore_io", str(exc)) from exc
     if offset != entry.bytes or digest != entry.xxh3_64:
         raise PersistError(
             "restore_corrupt",
-            f"{path} is corrupt: {offset} bytes with xxh3-64 {digest}, the manifest says {entry.bytes} "
-            f"bytes with {entry.xxh3_64}; run `stowaway verify {job_path}` for details",
+            f"{where} is corrupt: {offset} bytes with xxh3-64 {digest}, the manifest says {entry.bytes} "
+            f"bytes with {entry.xxh3_64}; run `stowaway verify {store.where(state.job)}` for details",
         )
     header.finish_write(slot.header_view, step, generation, entry.bytes)
     state.memory_digests[index] = (generation, step, digest)
     return generation, entry.bytes
 
 
-def open_step(job_path: Path, step: int, ranks: tuple[int, ...],
+def open_step(store: step_store.StepStore, job: str, step: int, ranks: tuple[int, ...],
               memory: MemorySource | None = None) -> tuple[list[int], list[int]]:
     """Read-only descriptors of committed ``step``'s manifest and of the files of ``ranks``, in that order, and
     per rank file where its bytes begin in its descriptor.
@@ -128,28 +126,27 @@ def open_step(job_path: Path, step: int, ranks: tuple[int, ...],
     either way. Raises ``PersistError`` when the step is not committed,
     names no such rank, or a file cannot be opened; nothing stays open then.
     """
-    step_path = layout.step_dir(job_path, step)
     try:
-        found = manifest.read_manifest(step_path)
+        found = store.read_manifest(job, step)
         entries = [found.file_for(rank) for rank in ranks]
     except manifest.ManifestError as exc:
         raise PersistError("restore_missing", f"step {step} cannot be opened: {exc}") from exc
-    opened: list[int] = []
-    offsets: list[int] = []
+    in_slots = [memory.slot_holding(entry, step) if memory is not None else None for entry in entries]
+    stored = [layout.MANIFEST] + [entry.name for entry, fd in zip(entries, in_slots, strict=True) if fd is None]
     try:
-        opened.append(os.open(step_path / layout.MANIFEST, os.O_RDONLY | os.O_CLOEXEC))
-        for entry in entries:
-            slot_fd = memory.slot_holding(entry, step) if memory is not None else None
-            if slot_fd is not None:
-                opened.append(slot_fd)
-                offsets.append(header.HEADER_BYTES)
-            else:
-                opened.append(os.open(step_path / entry.name, os.O_RDONLY | os.O_CLOEXEC))
-                offsets.append(0)
-    except OSError as exc:
-        for fd in opened:
-            os.close(fd)
+        files = iter(store.open_files(job, step, stored))
+    except (OSError, step_store.StoreError) as exc:
+        for fd in in_slots:
+            if fd is not None:
+                os.close(fd)
+        if isinstance(exc, step_store.StoreError):
+            raise PersistError(exc.kind, str(exc)) from exc
         raise PersistError("restore_io", f"cannot open {exc.filename} of step {step}: {exc.strerror}") from exc
+    opened = [next(files)]
+    offsets: list[int] = []
+    for fd in in_slots:
+        opened.append(fd if fd is not None else next(files))
+        offsets.append(0 if fd is None else header.HEADER_BYTES)
     return opened, offsets
 
 

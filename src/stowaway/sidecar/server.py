@@ -26,6 +26,7 @@ from stowaway.sidecar.pipeline import SavePipeline
 from stowaway.sidecar.ranks import Registry
 from stowaway.sidecar.session import Session
 from stowaway.sidecar.stats import Stats
+from stowaway.storage import bucket, bucket_store, directory_store, step_store
 
 log = logging.getLogger(__name__)
 _PROBE_TIMEOUT = 2.0
@@ -42,12 +43,13 @@ class Sidecar:
         self.registry = Registry()
         self.stats.watch(self.registry.connected, self.registry.in_flight, self.registry.connected_since)
         self.stats.stale_after(config.stale_after)
-        # The bucket tier, when one is configured; without one, obstore is never imported.
+        self.store = _open_store(config)
+        # The bucket tier, when the bucket backs a directory; without a bucket, obstore is never imported.
         self.bucket_tier = (
-            bucket_tier.BucketTier(config, BucketMetrics(self.stats.metrics.registry))
-            if config.bucket else None
+            bucket_tier.BucketTier(config, config.storage, BucketMetrics(self.stats.metrics.registry))
+            if config.bucket_tier and config.storage is not None else None
         )
-        self.committer = Committer(config, self.registry, self.stats,
+        self.committer = Committer(config, self.registry, self.stats, self.store,
                                    on_commit=self.bucket_tier.committed if self.bucket_tier else None)
         self.pipeline: SavePipeline
         self._stop = asyncio.Event()
@@ -76,7 +78,7 @@ class Sidecar:
                 self.bucket_tier.start()
             log.info(
                 "sidecar ready: socket %s, shared memory %s, storage %s%s, node %s",
-                self.config.socket_path, self.config.shm_dir, self.config.storage,
+                self.config.socket_path, self.config.shm_dir, self.config.storage or self.config.bucket,
                 f" then {self.bucket_tier.location}" if self.bucket_tier else "", self.config.node,
             )
             try:
@@ -106,13 +108,11 @@ class Sidecar:
         """Why ranks cannot be served right now, or None: the socket listens and storage is writable."""
         if self._server is None or not self._server.is_serving():
             return f"not listening on {self.config.socket_path}"
-        storage = self.config.storage
         try:
-            # A hung network filesystem must not stall the event loop, only this probe.
-            writable = await asyncio.wait_for(asyncio.to_thread(os.access, storage, os.W_OK), _PROBE_TIMEOUT)
+            # A hung network filesystem (or bucket) must not stall the event loop, only this probe.
+            return await asyncio.wait_for(asyncio.to_thread(self.store.probe), _PROBE_TIMEOUT)
         except TimeoutError:
-            return f"storage {storage} did not answer within {_PROBE_TIMEOUT:.0f} s"
-        return None if writable else f"storage {storage} is not writable"
+            return f"storage {self.config.storage or self.config.bucket} did not answer within {_PROBE_TIMEOUT:.0f} s"
 
     def _prepare_directories(self) -> None:
         """Use the socket and slot directories, creating them private to one group when missing.
@@ -132,6 +132,8 @@ class Sidecar:
                     f"{directory} is world-writable without the sticky bit; any local user could "
                     "replace the socket or slot files: use a directory with mode 0770"
                 )
+        if self.config.storage is None:
+            return
         try:
             self.config.storage.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -198,6 +200,16 @@ class Sidecar:
             self.config.socket_path.unlink()
         self.registry.close()
         log.info("stopped: %s", self.stats.summary())
+
+
+def _open_store(config: SidecarConfig) -> step_store.StepStore:
+    """The directory when there is one (with the bucket as a tier behind it), else the bucket itself."""
+    if config.storage is not None:
+        return directory_store.DirectoryStore(config.storage, config.direct_io)
+    try:
+        return bucket_store.open_bucket(config.bucket, config.bucket_settings())
+    except bucket.BucketError as exc:
+        raise SidecarError(f"cannot use the bucket {config.bucket}: {exc}") from exc
 
 
 def _socket_answers(path: Path) -> bool:

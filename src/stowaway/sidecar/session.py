@@ -18,6 +18,7 @@ from stowaway.sidecar import restore
 from stowaway.sidecar.persister import PersistError
 from stowaway.sidecar.ranks import RankState
 from stowaway.slots.header import SlotHeaderError
+from stowaway.storage import step_store
 
 if TYPE_CHECKING:
     from stowaway.sidecar.server import Sidecar
@@ -164,7 +165,7 @@ class Session:
     async def _persist(self, message: messages.Persist) -> None:
         state = self._rank()
         self._owned_slot(state, message.slot, "persist")
-        self._sidecar.pipeline.start(state, message)
+        await self._sidecar.pipeline.start(state, message)
 
     @_HANDLERS.on(messages.Query)
     async def _query(self, message: messages.Query) -> None:
@@ -172,7 +173,7 @@ class Session:
         await committer.settled(state.job)
         if self._sidecar.bucket_tier is not None:
             await self._sidecar.bucket_tier.fill_claim(state.job)
-        self.send(await asyncio.to_thread(restore.inventory, committer.job_path(state.job), state))
+        self.send(await asyncio.to_thread(restore.inventory, committer.store, state))
 
     @_HANDLERS.on(messages.Open)
     async def _open(self, message: messages.Open) -> None:
@@ -182,7 +183,7 @@ class Session:
         memory = (restore.MemorySource(self._sidecar.config.shm_dir, state.job, self._peer_uid)
                   if message.from_memory else None)
         try:
-            fds, offsets = await asyncio.to_thread(restore.open_step, self._sidecar.committer.job_path(state.job),
+            fds, offsets = await asyncio.to_thread(restore.open_step, self._sidecar.committer.store, state.job,
                                                    message.step, message.ranks, memory)
         except PersistError as exc:
             self._sidecar.stats.failed(exc.kind)
@@ -216,9 +217,10 @@ class Session:
         """Set a step found corrupt aside, so that the job can save it again; what to add to the reason."""
         try:
             target = await asyncio.to_thread(self._sidecar.committer.set_aside, job, step)
-        except OSError as exc:
+        except (OSError, step_store.StoreError) as exc:
             log.error("step %d of job %s is corrupt and could not be set aside: %s", step, job, exc)
-            return f"; it could not be set aside ({exc.strerror}), so saving step {step} again will be refused"
+            why = exc.strerror if isinstance(exc, OSError) else str(exc)
+            return f"; it could not be set aside ({why}), so saving step {step} again will be refused"
         if target is None:
             return ""
         log.warning("step %d of job %s is corrupt: set it aside as %s, so that it can be saved again; "
@@ -230,11 +232,9 @@ class Session:
         state, step, index = self._rank(), message.step, message.slot
         self._owned_slot(state, index, "stage")
         state.busy.add(index)
-        job_path = self._sidecar.committer.job_path(state.job)
         try:
-            generation, nbytes = await asyncio.to_thread(
-                restore.stage, job_path, state, index, step, self._sidecar.config.direct_io
-            )
+            generation, nbytes = await asyncio.to_thread(restore.stage, self._sidecar.committer.store, state, index,
+                                                         step)
         except PersistError as exc:
             self._sidecar.stats.failed(exc.kind)
             reason = str(exc)

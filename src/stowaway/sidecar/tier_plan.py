@@ -7,18 +7,8 @@ deletes accordingly.
 
 from __future__ import annotations
 
+from stowaway.storage.retention import kept
 from stowaway.storage.rollbacks import Rollback
-
-
-def kept(committed: list[int], keep_last: int, keep_every: int) -> set[int]:
-    """The steps a tier's retention keeps: the last ``keep_last`` and every multiple of ``keep_every``.
-
-    ``keep_last`` is at least 1, so the newest committed step is always kept.
-    """
-    keep = set(sorted(committed)[-max(keep_last, 1):]) if committed else set()
-    if keep_every:
-        keep.update(step for step in committed if step % keep_every == 0)
-    return keep
 
 
 def to_upload(claim: list[int], bucket: list[int], keep_every: int) -> list[int]:

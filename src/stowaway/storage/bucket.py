@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stowaway.storage import checksum, durable, layout, manifest
+from stowaway.storage import checksum, durable, layout, manifest, step_store
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
@@ -40,12 +40,22 @@ GiB = 2**30
 READ_CHUNK_BYTES = 1 * MiB
 
 
-class BucketError(Exception):
+class BucketError(step_store.StoreError):
     """A bucket operation failed; ``kind`` is the metric label, the message says what to check."""
 
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
+
+class NotFound(BucketError):
+    """The object asked for is not there."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("bucket_io", message)
+
+
+class Exists(BucketError):
+    """An object written only if absent was there already."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("bucket_io", message)
 
 
 class Mismatch(Exception):
@@ -185,19 +195,34 @@ class Bucket:
 
     def step_objects(self, job: str) -> dict[int, list[str]]:
         """Every object key below each step of ``job``, committed or not."""
+        return {step: [key for key, _ in found] for step, found in self.step_listing(job).items()}
+
+    def step_listing(self, job: str) -> dict[int, list[tuple[str, float]]]:
+        """Every object below each step of ``job`` with when it was last written (Unix seconds)."""
         import obstore
 
         prefix = self.location.key(job) + "/"
-        steps: dict[int, list[str]] = {}
+        steps: dict[int, list[tuple[str, float]]] = {}
         try:
             for chunk in obstore.list(self._store, prefix, chunk_size=1000):
                 for meta in chunk:
                     match = _STEP_KEY.match(meta["path"][len(prefix):])
                     if match:
-                        steps.setdefault(int(match.group(1)), []).append(meta["path"])
+                        steps.setdefault(int(match.group(1)), []).append(
+                            (meta["path"], meta["last_modified"].timestamp()))
         except Exception as exc:
             raise classify(exc, f"listing {self.url(job)}") from exc
         return steps
+
+    def keys_below(self, prefix: str) -> list[str]:
+        """Every object key in folder ``prefix`` and below it (whole path segments: ``a/b`` lists ``a/b/c``, not
+        ``a/bc``)."""
+        import obstore
+
+        try:
+            return [meta["path"] for chunk in obstore.list(self._store, prefix, chunk_size=1000) for meta in chunk]
+        except Exception as exc:
+            raise classify(exc, f"listing {SCHEME}{self.location.bucket}/{prefix}") from exc
 
     def committed_steps(self, job: str) -> list[int]:
         """Steps whose manifest object exists, oldest first."""
@@ -213,6 +238,8 @@ class Bucket:
 
         try:
             return bytes(obstore.get(self._store, key).bytes())
+        except FileNotFoundError as exc:
+            raise NotFound(f"{SCHEME}{self.location.bucket}/{key} does not exist") from exc
         except Exception as exc:
             raise classify(exc, f"reading {SCHEME}{self.location.bucket}/{key}") from exc
 
@@ -251,20 +278,31 @@ class Bucket:
         the checksum matched: on a mismatch (or ``stopping``) the iterator
         raises, and obstore aborts the multipart upload, so nothing appears.
         """
+        with path.open("rb", buffering=0) as handle:
+            self.upload(key, self._chunks(handle, path, entry, stopping, sent), entry.bytes,
+                        f"uploading {path} to {SCHEME}{self.location.bucket}/{key}")
+
+    def upload(self, key: str, chunks: Iterator[bytes], nbytes: int, what: str) -> None:
+        """Upload ``nbytes`` from ``chunks`` as ``key``: a multipart upload of several parts in flight when larger
+        than a part. Whatever ``chunks`` raises is raised here, and the multipart upload is aborted, so
+        nothing appears."""
         import obstore
 
-        with path.open("rb", buffering=0) as handle:
+        raised: list[BaseException] = []
+
+        def source() -> Iterator[bytes]:
             try:
-                obstore.put(self._store, key, self._chunks(handle, path, entry, stopping, sent),
-                            use_multipart=entry.bytes > self.settings.part_bytes,
-                            chunk_size=self.settings.part_bytes, max_concurrency=self.settings.concurrency)
-            except (BucketError, Stopped):
+                yield from chunks
+            except BaseException as exc:
+                raised.append(exc)
                 raise
-            except Exception as exc:
-                cause = exc.__cause__ or exc.__context__
-                if isinstance(cause, BucketError | Stopped):
-                    raise cause from exc
-                raise classify(exc, f"uploading {path} to {SCHEME}{self.location.bucket}/{key}") from exc
+        try:
+            obstore.put(self._store, key, source(), use_multipart=nbytes > self.settings.part_bytes,
+                        chunk_size=self.settings.part_bytes, max_concurrency=self.settings.concurrency)
+        except Exception as exc:
+            if raised:
+                raise raised[0] from None
+            raise classify(exc, what) from exc
 
     def _chunks(self, handle: Any, path: Path, entry: manifest.FileEntry, stopping: threading.Event,
                 sent: Callable[[int], None]) -> Iterator[bytes]:
@@ -289,12 +327,18 @@ class Bucket:
             raise BucketError("source_changed", f"{path} holds {total} bytes, its manifest {entry.bytes}; "
                               "not uploaded")
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, only_new: bool = False) -> None:
+        """Write object ``key``; with ``only_new``, ``Exists`` where it is there already (a conditional write,
+        ``If-None-Match: *``, which the server must support: AWS S3, MinIO and SeaweedFS do)."""
         import obstore
 
         try:
-            obstore.put(self._store, key, data)
+            obstore.put(self._store, key, data, mode="create" if only_new else "overwrite")
         except Exception as exc:
+            from obstore import exceptions
+
+            if isinstance(exc, exceptions.AlreadyExistsError):
+                raise Exists(f"{SCHEME}{self.location.bucket}/{key} exists already") from exc
             raise classify(exc, f"writing {SCHEME}{self.location.bucket}/{key}") from exc
 
     def delete(self, keys: list[str]) -> None:
@@ -335,7 +379,8 @@ class Bucket:
                                 use_multipart=True, chunk_size=self.settings.part_bytes,
                                 max_concurrency=self.settings.concurrency)
 
-    def set_aside_step(self, job: str, found: manifest.Manifest, stamp_ns: int, keys: list[str]) -> str:
+    def set_aside_step(self, job: str, found: manifest.Manifest, stamp_ns: int, keys: list[str],
+                       why: str = layout.ROLLED_BACK) -> str:
         """Move committed step ``found`` out of the step names, as ``stowaway rollback`` does on a claim; its URL.
 
         A bucket cannot rename: every object is copied under
@@ -344,7 +389,7 @@ class Bucket:
         record, so a retry after a crash writes the same names again, and
         the step stays committed under its own name until its copy is whole.
         """
-        target = self.location.key(job, layout.set_aside_dir(Path(), found.step, stamp_ns, layout.ROLLED_BACK).name)
+        target = self.location.key(job, layout.set_aside_dir(Path(), found.step, stamp_ns, why).name)
         sizes = {entry.name: entry.bytes for entry in found.files}
         for key in sorted(keys, key=lambda key: key.endswith("/" + layout.MANIFEST)):
             name = key.rsplit("/", 1)[-1]

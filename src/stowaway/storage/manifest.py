@@ -104,65 +104,62 @@ class Manifest:
         raise ManifestError(f"manifest of step {self.step} has no file for rank {rank}")
 
 
+def encoded(record: Manifest | Receipt | Failure) -> bytes:
+    """What a manifest, receipt or notice is stored as, in a file or an object."""
+    return _dump(asdict(record))
+
+
 def write_receipt(step_path: Path, receipt: Receipt) -> None:
-    durable.write_atomic(step_path / layout.receipt_name(receipt.node), _dump(asdict(receipt)))
+    durable.write_atomic(step_path / layout.receipt_name(receipt.node), encoded(receipt))
 
 
 def read_receipts(step_path: Path) -> list[Receipt]:
-    receipts = []
-    for path in sorted(step_path.glob("receipt-*.json")):
-        raw = _load(path)
-        try:
-            receipts.append(
-                Receipt(
-                    node=str(raw["node"]), run=str(raw["run"]), step=int(raw["step"]),
-                    world_size=int(raw["world_size"]),
-                    files=[FileEntry(**entry) for entry in raw["files"]],
-                    written_unix=float(raw["written_unix"]),
-                )
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestError(f"{path} is not a valid receipt: {exc}") from exc
-    return receipts
+    return [receipt_from_bytes(path, _read(path)) for path in sorted(step_path.glob(layout.receipt_name("*")))]
+
+
+def receipt_from_bytes(where: Path | str, data: bytes) -> Receipt:
+    raw = _parsed(where, data)
+    try:
+        return Receipt(
+            node=str(raw["node"]), run=str(raw["run"]), step=int(raw["step"]), world_size=int(raw["world_size"]),
+            files=[FileEntry(**entry) for entry in raw["files"]], written_unix=float(raw["written_unix"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"{where} is not a valid receipt: {exc}") from exc
 
 
 def write_failure(step_path: Path, failure: Failure) -> None:
     """Announce ``failure``; the step directory may not exist yet when no file of it was written."""
     durable.make_dirs(step_path)
-    durable.write_atomic(step_path / layout.failure_name(failure.node), _dump(asdict(failure)))
+    durable.write_atomic(step_path / layout.failure_name(failure.node), encoded(failure))
 
 
 def read_failures(step_path: Path) -> list[Failure]:
-    failures = []
-    for path in sorted(step_path.glob(layout.failure_name("*"))):
-        raw = _load(path)
-        try:
-            failures.append(Failure(node=str(raw["node"]), run=str(raw["run"]), step=int(raw["step"]),
-                                    reason=str(raw["reason"]), written_unix=float(raw["written_unix"])))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestError(f"{path} is not a valid failure notice: {exc}") from exc
-    return failures
+    return [failure_from_bytes(path, _read(path)) for path in sorted(step_path.glob(layout.failure_name("*")))]
+
+
+def failure_from_bytes(where: Path | str, data: bytes) -> Failure:
+    raw = _parsed(where, data)
+    try:
+        return Failure(node=str(raw["node"]), run=str(raw["run"]), step=int(raw["step"]),
+                       reason=str(raw["reason"]), written_unix=float(raw["written_unix"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"{where} is not a valid failure notice: {exc}") from exc
 
 
 def write_manifest(step_path: Path, manifest: Manifest) -> None:
-    durable.write_atomic(step_path / layout.MANIFEST, _dump(asdict(manifest)))
+    durable.write_atomic(step_path / layout.MANIFEST, encoded(manifest))
 
 
 def read_manifest(step_path: Path) -> Manifest:
     path = step_path / layout.MANIFEST
-    return _checked(_load(path), path)
+    return manifest_from_bytes(path, _read(path))
 
 
 def manifest_from_bytes(where: Path | str, data: bytes) -> Manifest:
-    """A manifest read by whoever holds its bytes but not its path: a rank, through a descriptor the sidecar
-    passed it, or a bucket's object; ``where`` names it in errors."""
-    try:
-        raw = json.loads(data)
-    except ValueError as exc:
-        raise ManifestError(f"cannot read {where}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ManifestError(f"{where} does not hold a JSON object")
-    return _checked(raw, where)
+    """A manifest read by whoever holds its bytes: from a file, through a descriptor the sidecar passed a rank,
+    or from a bucket's object; ``where`` names it in errors."""
+    return _checked(_parsed(where, data), where)
 
 
 def _checked(raw: dict[str, Any], path: Path | str) -> Manifest:
@@ -194,11 +191,18 @@ def _dump(value: dict[str, Any]) -> bytes:
     return (json.dumps(value, indent=1, sort_keys=True) + "\n").encode()
 
 
-def _load(path: Path) -> dict[str, Any]:
+def _read(path: Path) -> bytes:
     try:
-        raw = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
+        return path.read_bytes()
+    except OSError as exc:
         raise ManifestError(f"cannot read {path}: {exc}") from exc
+
+
+def _parsed(where: Path | str, data: bytes) -> dict[str, Any]:
+    try:
+        raw = json.loads(data)
+    except ValueError as exc:
+        raise ManifestError(f"cannot read {where}: {exc}") from exc
     if not isinstance(raw, dict):
-        raise ManifestError(f"{path} does not hold a JSON object")
+        raise ManifestError(f"{where} does not hold a JSON object")
     return raw

@@ -13,7 +13,7 @@ import logging
 
 from stowaway.sidecar.commit import gathering, notices, publishing
 from stowaway.sidecar.stats import Stats
-from stowaway.storage import layout
+from stowaway.storage import manifest, step_store
 
 log = logging.getLogger(__name__)
 _REMEMBERED_FAILURES = 256
@@ -26,20 +26,33 @@ class Admission:
         self._stats = stats
         self._failed: dict[tuple[str, int, str], str] = {}
 
-    def refusal(self, job: str, run: str, step: int, world_size: int, local_world_size: int,
-                pending: gathering.PendingStep | None) -> str | None:
-        """Why a rank may not persist ``step`` (``pending``: the step as this node gathers it), or None."""
+    def refusal(self, job: str, run: str, step: int, pending: gathering.PendingStep | None) -> str | None:
+        """Why a rank may not persist ``step`` as far as this node knows (``pending``: the step as this node
+        gathers it), or None; no storage is looked at."""
         failure = self.abandoned(job, run, step)
         if failure is not None:
             return failure
-        if pending is not None:
-            if pending.run != run:
-                return f"step {step} is being saved by another run ({pending.run}) of job {job}"
-            return None
-        behind = self._behind_committed(job, run, step)
-        if behind is not None:
-            return behind
-        return self._failed_before_admission(job, run, step, world_size, local_world_size)
+        if pending is not None and pending.run != run:
+            return f"step {step} is being saved by another run ({pending.run}) of job {job}"
+        return None
+
+    def stored_refusal(self, job: str, run: str, step: int, world_size: int, local_world_size: int) -> str | None:
+        """Why storage says a rank may not persist ``step`` that this node does not gather yet, or None.
+
+        Blocking (a listing, a read of a manifest or a notice; requests to a
+        bucket), so the sidecar asks from a worker thread. Storage that
+        cannot be read refuses the step, uncounted as a refusal of the step
+        itself: the next step asks again.
+        """
+        try:
+            return self._behind_committed(job, run, step) or self._failed_before_admission(
+                job, run, step, world_size, local_world_size)
+        except (OSError, step_store.StoreError) as exc:
+            kind = exc.kind if isinstance(exc, step_store.StoreError) else "storage_io"
+            self._stats.failed(kind)
+            reason = f"cannot admit step {step} of job {job}: reading the storage failed: {exc}"
+            log.warning("%s", reason)
+            return reason
 
     def abandoned(self, job: str, run: str, step: int) -> str | None:
         """Why the step has failed, if it has: its persists still running stop rather than write in vain.
@@ -64,11 +77,11 @@ class Admission:
         Counted and remembered once per step, so the job's other ranks get the
         same answer without another listing.
         """
-        job_path = self._publisher.job_path(job)
-        step_path = self._publisher.step_path(job, step)
-        if (step_path / layout.MANIFEST).exists():
-            reason = (f"step {step} of job {job} is already committed at {step_path}; a checkpoint is never "
-                      "overwritten: save a later step (load() returns the step to continue from), or, to go back "
+        store = self._publisher.store
+        job_path = store.where(job)
+        if self._is_committed(job, step):
+            reason = (f"step {step} of job {job} is already committed at {store.where(job, step)}; a checkpoint is "
+                      "never overwritten: save a later step (load() returns the step to continue from), or, to go back "
                       f"to an older step, stop the job and run `stowaway rollback {job_path} --to STEP`")
         else:
             known = self._publisher.newest_known(job)
@@ -87,6 +100,14 @@ class Admission:
         log.warning("step %d of job %s refused: %s", step, job, reason)
         return reason
 
+    def _is_committed(self, job: str, step: int) -> bool:
+        """Whether ``step``'s manifest is there: the one look at storage that needs no listing."""
+        try:
+            self._publisher.store.read_manifest(job, step)
+        except manifest.ManifestError:
+            return False
+        return True
+
     def _failed_before_admission(self, job: str, run: str, step: int, world_size: int,
                                  local_world_size: int) -> str | None:
         """Another node's notice for a step this node has not started: refuse it rather than persist in vain.
@@ -97,7 +118,7 @@ class Admission:
         """
         if not gathering.spans_nodes(world_size, local_world_size):
             return None
-        reason = self._board.readable_failure_elsewhere(run, step, self._publisher.step_path(job, step))
+        reason = self._board.readable_failure_elsewhere(job, run, step)
         if reason is not None:
             self.remember(job, step, run, reason)
             self._stats.failed(notices.OTHER_NODE_FAILED)

@@ -14,20 +14,19 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 from stowaway.protocol import messages
 from stowaway.sidecar.commit import admission, gathering, notices, publishing, timing
 from stowaway.sidecar.config import SidecarConfig
 from stowaway.sidecar.ranks import Registry
 from stowaway.sidecar.stats import Stats
-from stowaway.storage import manifest
+from stowaway.storage import manifest, step_store
 
 log = logging.getLogger(__name__)
 
 
 class Committer:
-    def __init__(self, config: SidecarConfig, registry: Registry, stats: Stats,
+    def __init__(self, config: SidecarConfig, registry: Registry, stats: Stats, store: step_store.StepStore,
                  clock: timing.Clock | None = None, on_commit: Callable[[str, int], None] | None = None) -> None:
         self._config = config
         # Told of each step this node committed (it hosts global rank 0): the next tier's cue.
@@ -35,19 +34,26 @@ class Committer:
         self._registry = registry
         self._stats = stats
         self._clock = clock if clock is not None else timing.SystemClock()
-        self._publisher = publishing.Publisher(config, self._clock)
-        self._board = notices.NoticeBoard(config.node, self._clock, config.commit_poll_interval)
+        self.store = store
+        self._publisher = publishing.Publisher(config, self._clock, store)
+        self._board = notices.NoticeBoard(config.node, self._clock, config.commit_poll_interval, store)
         self._admission = admission.Admission(self._publisher, self._board, stats)
         self._pending: dict[tuple[str, int], gathering.PendingStep] = {}
         self._announcing: set[asyncio.Task[None]] = set()
 
-    def job_path(self, job: str) -> Path:
-        return self._publisher.job_path(job)
+    def stored_refusal(self, job: str, run: str, step: int, world_size: int, local_world_size: int) -> str | None:
+        """What storage says against a rank's persist of ``step`` (committed already, older than the newest,
+        failed on another node): blocking, so asked from a worker thread before ``admit``, and only while this
+        node does not gather the step yet."""
+        if (job, step) in self._pending or self.abandoned(job, run, step) is not None:
+            return None
+        return self._admission.stored_refusal(job, run, step, world_size, local_world_size)
 
     def admit(self, job: str, run: str, step: int, rank: int, world_size: int, local_world_size: int) -> str | None:
-        """Register a rank's persist of a step; return why it must be refused, if it must."""
+        """Register a rank's persist of a step, once ``stored_refusal`` found nothing against it; return why it
+        must be refused, if it must."""
         pending = self._pending.get((job, step))
-        refusal = self._admission.refusal(job, run, step, world_size, local_world_size, pending)
+        refusal = self._admission.refusal(job, run, step, pending)
         if refusal is not None:
             return refusal
         if pending is None:
@@ -64,8 +70,7 @@ class Committer:
         )
         if pending.multi_node:
             pending.watcher = asyncio.create_task(
-                self._board.watch(pending, self._publisher.step_path(job, step),
-                                  functools.partial(self.fail, job, step, notices.OTHER_NODE_FAILED)),
+                self._board.watch(pending, functools.partial(self.fail, job, step, notices.OTHER_NODE_FAILED)),
                 name=f"notices {job}/{step}",
             )
         return pending
@@ -99,10 +104,10 @@ class Committer:
         if pending is None or not pending.add_durable(entry):
             return
         try:
-            await asyncio.to_thread(manifest.write_receipt, self._publisher.step_path(job, step),
-                                    pending.receipt(self._config.node))
-        except OSError as exc:
-            self.fail(job, step, "storage_io", f"cannot write the receipt of node {self._config.node}: {exc}")
+            await asyncio.to_thread(self.store.write_receipt, job, step, pending.receipt(self._config.node))
+        except (OSError, step_store.StoreError) as exc:
+            kind = exc.kind if isinstance(exc, step_store.StoreError) else "storage_io"
+            self.fail(job, step, kind, f"cannot write the receipt of node {self._config.node}: {exc}")
             return
         if pending.resolved.is_set():
             # Failed while the receipt was written (the commit timeout, another node's notice): its ranks
@@ -143,7 +148,7 @@ class Committer:
         # A failure learnt from another node's notice is not announced again.
         if pending.multi_node and kind != notices.OTHER_NODE_FAILED:
             notice = asyncio.create_task(
-                self._board.announce(pending, self._publisher.step_path(job, step), reason),
+                self._board.announce(pending, reason),
                 name=f"failure notice {job}/{step}",
             )
             self._announcing.add(notice)
@@ -155,8 +160,9 @@ class Committer:
         while True:
             try:
                 elsewhere, missing = await asyncio.to_thread(self._poll, pending, coordinator)
-            except (OSError, manifest.ManifestError) as exc:
-                self.fail(pending.job, pending.step, "storage_io", f"commit of step {pending.step} failed: {exc}")
+            except (OSError, step_store.StoreError, manifest.ManifestError) as exc:
+                kind = exc.kind if isinstance(exc, step_store.StoreError) else "storage_io"
+                self.fail(pending.job, pending.step, kind, f"commit of step {pending.step} failed: {exc}")
                 return
             if elsewhere is not None:
                 self.fail(pending.job, pending.step, notices.OTHER_NODE_FAILED, elsewhere)
@@ -173,7 +179,7 @@ class Committer:
                     pending.job, pending.step, "commit_timeout",
                     f"commit of step {pending.step} timed out after {self._config.commit_timeout:.0f} s "
                     f"waiting for {missing}; check that every node's sidecar is running and shares "
-                    f"the storage at {self._config.storage}",
+                    f"the storage at {self.store.where(pending.job)}",
                 )
                 return
             await self._clock.sleep(self._config.commit_poll_interval)
@@ -186,15 +192,14 @@ class Committer:
         failed for its ranks; other nodes read them after the manifest, which stands even if a notice came
         too late to stop it.
         """
-        step_path = self._publisher.step_path(pending.job, pending.step)
         if not coordinator:
             missing = self._publisher.missing_manifest(pending)
-            return (None if missing is None else self._board.failure_elsewhere(pending.run, pending.step,
-                                                                              step_path)), missing
-        elsewhere = self._board.failure_elsewhere(pending.run, pending.step, step_path)
+            return (None if missing is None else self._board.failure_elsewhere(pending.job, pending.run,
+                                                                              pending.step)), missing
+        elsewhere = self._board.failure_elsewhere(pending.job, pending.run, pending.step)
         return elsewhere, (None if elsewhere is not None else self._publisher.commit_if_complete(pending))
 
-    def set_aside(self, job: str, step: int) -> Path | None:
+    def set_aside(self, job: str, step: int) -> str | None:
         """Set committed ``step`` aside as corrupt, so that the job can save it again."""
         return self._publisher.set_aside(job, step)
 
@@ -202,7 +207,7 @@ class Committer:
         """Delete what retention drops, after the ranks heard of the commit: deleting gigabytes takes a while."""
         try:
             await asyncio.to_thread(self._publisher.retain, pending.job, self._busy_steps(pending.job))
-        except OSError as exc:
+        except (OSError, step_store.StoreError) as exc:
             log.warning("retention after step %d of job %s failed, will retry after the next commit: %s",
                         pending.step, pending.job, exc)
 

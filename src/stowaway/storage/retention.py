@@ -17,6 +17,17 @@ from stowaway.storage import catalog, durable, layout
 log = logging.getLogger(__name__)
 
 
+def kept(committed: list[int], keep_last: int, keep_every: int) -> set[int]:
+    """The steps a retention keeps: the last ``keep_last`` and every multiple of ``keep_every``.
+
+    ``keep_last`` counts as at least 1, so the newest committed step is always kept.
+    """
+    keep = set(sorted(committed)[-max(keep_last, 1):]) if committed else set()
+    if keep_every:
+        keep.update(step for step in committed if step % keep_every == 0)
+    return keep
+
+
 def apply(job_path: Path, keep_last: int, keep_every: int, abandoned_after: float, busy: set[int]) -> list[int]:
     """Apply the policy; return the steps removed.
 
@@ -26,9 +37,7 @@ def apply(job_path: Path, keep_last: int, keep_every: int, abandoned_after: floa
     complete that step.
     """
     committed = catalog.committed_steps(job_path)
-    keep = set(committed[-keep_last:])
-    if keep_every:
-        keep.update(step for step in committed if step % keep_every == 0)
+    keep = kept(committed, keep_last, keep_every)
     removed = []
     for step in committed:
         if step not in keep:

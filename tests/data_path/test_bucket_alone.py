@@ -1,0 +1,131 @@
+"""A bucket as the only storage, without a claim, against a real S3 server (SeaweedFS): ranks' files uploaded
+from their slots, committed in the bucket on one node and on two, restored from it, and refused clearly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from s3server import S3Server
+
+from data_path.processes import collective, join_group, wait_for
+from stowaway.storage import bucket, bucket_store, layout, manifest, step_store
+
+pytestmark = pytest.mark.s3
+
+
+@pytest.fixture
+def bucket_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The trainer's credentials and the endpoint in the environment the sidecars and the CLI inherit."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+def store_at(server: S3Server, url: str) -> bucket_store.BucketStore:
+    return bucket_store.open_bucket(url, bucket.Settings(endpoint=server.endpoint))
+
+
+def stowaway(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stowaway", *args], capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+def test_a_job_saves_commits_and_restores_through_the_bucket_alone(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank) -> None:
+    url = f"s3://{s3_bucket}/ckpt"
+    # Parts of 5 MiB (S3's least), so that a rank file of 8 MB goes up as a multipart upload.
+    first = start_sidecar("a", extra=["--bucket", url, "--keep-last", "2", "--upload-part-size", str(5 * 2**20)],
+                          claim=False)
+    rank = start_rank(first)
+    for step in (1, 2, 3):
+        rank.save(step, numel=2_000_000)
+        assert rank.wait(step).get("committed"), f"step {step} was not committed"
+    rank.exit()
+    store = store_at(bucket_env, url)
+    wait_for(lambda: store.committed_steps("job") == [2, 3], "retention in the bucket to keep steps 2 and 3")
+    found = store.read_manifest("job", 3)
+    assert found.nodes == ["a"] and found.files[0].pieces, "piece checksums, for ranged reads"
+    assert store.bucket.read(store.bucket.location.key("job", layout.LATEST)) == b"3\n"
+    first.stop()
+
+    # Another pod: no slot of the job in its shared memory, nothing but the bucket.
+    second = start_sidecar("b", extra=["--bucket", url], claim=False)
+    restored = start_rank(second)
+    assert restored.call(op="load") == {"step": 3, "intact": True, "numel": 2_000_000}
+    assert restored.last_restore()["source"] == "storage"
+    restored.save(4, numel=2_000_000)
+    assert restored.wait(4).get("committed")
+    restored.exit()
+
+    verified = stowaway("verify", f"{url}/job")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert verified.stdout.splitlines() == [f"step {step}: ok" for step in (2, 3, 4)]
+
+
+def test_two_nodes_commit_one_step_through_the_bucket_alone(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank, short_tmp: Path) -> None:
+    url = f"s3://{s3_bucket}/multi"
+    node_a = start_sidecar("a", extra=["--bucket", url], claim=False)
+    node_b = start_sidecar("b", extra=["--bucket", url], claim=False)
+    ranks = [start_rank(node_a if rank < 2 else node_b, job="multi", rank=rank, world_size=4, local_world_size=2)
+             for rank in range(4)]
+    store = store_at(bucket_env, url)
+
+    for rank in ranks[:3]:
+        rank.save(1)
+    wait_for(lambda: [r.node for r in store.read_receipts("multi", 1)] == ["a"], "node a's receipt in the bucket")
+    assert store.committed_steps("multi") == [], "node b still misses rank 3"
+    assert not any(rank.done(1) for rank in ranks[:3]), "three of four ranks must not commit"
+
+    ranks[3].save(1)
+    for rank in ranks:
+        assert rank.wait(1)["committed"]
+    found = store.read_manifest("multi", 1)
+    assert found.world_size == 4 and found.nodes == ["a", "b"]
+    join_group(ranks, short_tmp / "group")
+    assert collective(ranks, op="load") == [{"step": 1, "intact": True, "numel": 1024}] * 4
+
+
+def test_a_second_manifest_for_a_committed_step_is_refused_by_the_server(bucket_env: S3Server, s3_bucket: str) -> None:
+    store = store_at(bucket_env, f"s3://{s3_bucket}/twice")
+    entry = manifest.FileEntry(0, layout.rank_file_name(0, 1), 8, "0" * 16)
+    first = manifest.Manifest("job", "run-1", 5, 1, [entry], ["a"], {})
+    store.write_manifest("job", 5, first)
+    with pytest.raises(step_store.ManifestExists):
+        store.write_manifest("job", 5, manifest.Manifest("job", "run-2", 5, 1, [entry], ["b"], {}))
+    assert store.read_manifest("job", 5).run == "run-1", "the first commit stands"
+
+
+def test_wrong_credentials_fail_the_save_with_what_to_check_and_commit_nothing(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"s3://{s3_bucket}/denied"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    sidecar = start_sidecar("a", extra=["--bucket", url, "--upload-retry-timeout", "2"], claim=False)
+    rank = start_rank(sidecar)
+    rank.save(1)
+    answer = rank.wait(1, timeout=60)
+    assert not answer["committed"]
+    assert "bucket_denied" in answer["error"] and "check the credentials" in answer["error"], answer["error"]
+    rank.exit()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", bucket_env.env()["AWS_SECRET_ACCESS_KEY"])
+    assert store_at(bucket_env, url).bucket.keys_below("denied/") == [], "nothing half-written is left"
+
+
+def test_retention_in_a_bucket_alone_drops_old_steps_manifest_first_and_sweeps_only_abandoned_torn_ones(
+        bucket_env: S3Server, s3_bucket: str) -> None:
+    store = store_at(bucket_env, f"s3://{s3_bucket}/kept")
+    entry = manifest.FileEntry(0, layout.rank_file_name(0, 1), 8, "0" * 16)
+    for step in (1, 2, 3, 4, 6):
+        store.bucket.put(store.bucket.step_key("job", step, entry.name), b"12345678")
+    for step in (2, 3, 6):
+        store.write_manifest("job", step, manifest.Manifest("job", "run-1", step, 1, [entry], ["a"], {}))
+
+    # Steps 1 and 4 are torn (no manifest); 4 is still being saved.
+    assert store.retain("job", keep_last=2, keep_every=0, abandoned_after=3600.0, busy=set()) == [2]
+    # Any age counts as abandoned now, whatever the rounding of the server's timestamps.
+    assert store.retain("job", keep_last=2, keep_every=0, abandoned_after=-60.0, busy={4}) == [1]
+    assert store.committed_steps("job") == [3, 6]
+    assert sorted(store.bucket.step_objects("job")) == [3, 4, 6], "a busy torn step stays"
