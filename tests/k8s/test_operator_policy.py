@@ -41,7 +41,8 @@ CLAIM = {"persistentVolumeClaim": {"claimName": "ckpts"}}
     ("spec", "says"),
     [
         ({}, "spec.storage: Required value"),
-        ({"storage": {}}, "storage needs a backend: set storage.persistentVolumeClaim.claimName"),
+        ({"storage": {}}, "storage needs a backend: set storage.persistentVolumeClaim.claimName, storage.bucket.url, "
+                          "or both"),
         ({"storage": {"persistentVolumeClaim": {"claimName": "c", "subPath": "/abs"}}},
          "subPath must be relative to the claim's root"),
         ({"storage": {"persistentVolumeClaim": {"claimName": "c", "subPath": "a/../../etc"}}},

@@ -221,6 +221,24 @@ def test_a_policy_with_a_bucket_tier_is_ready_and_its_sidecar_gets_the_bucket_an
     assert keys == dict.fromkeys(("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"), "s3-keys")
 
 
+def test_a_policy_with_a_bucket_alone_is_ready_and_its_sidecar_stores_there_without_a_claim(
+    k8s_api: client.ApiClient, ready_policy: str
+) -> None:
+    create_policy(k8s_api, ready_policy, "bucket-only", storage={
+        "bucket": {"url": "s3://ckpts/team-b", "endpoint": "http://s3.storage:8333", "credentialsSecret": "s3-keys"},
+    })
+    eventually(lambda: (ready_condition(k8s_api, ready_policy, "bucket-only") or {}).get("status") == "True",
+               what="CheckpointPolicy bucket-only to be Ready")
+    assert "bucket 's3://ckpts/team-b' (no claim" in ready_condition(k8s_api, ready_policy, "bucket-only")["message"]
+    pod = training_pod(**{injection.POLICY_ANNOTATION: "bucket-only"})
+    stored = client.CoreV1Api(k8s_api).create_namespaced_pod(ready_policy, pod)
+    (sidecar,) = stored.spec.init_containers
+    assert "--storage" not in sidecar.command
+    assert sidecar.command[sidecar.command.index("--bucket") + 1] == "s3://ckpts/team-b"
+    assert not [v for v in stored.spec.volumes if v.persistent_volume_claim], "no claim is mounted"
+    assert injection.STORAGE_VOLUME not in {m.name for m in sidecar.volume_mounts}
+
+
 def test_a_bucket_url_that_is_not_s3_is_refused_by_the_api_server(
     k8s_api: client.ApiClient, ready_policy: str
 ) -> None:

@@ -557,3 +557,24 @@ def test_the_injected_bucket_command_is_one_the_sidecar_accepts() -> None:
     config = SidecarConfig(**{s.name: getattr(args, s.name) for s in injection.sidecar_settings.ALL
                               if getattr(args, s.name) is not None and s.name != "allowed_uids"})
     assert (config.bucket, config.bucket_keep_last, config.bucket_keep_every) == ("s3://ckpts/team-a", 2, 1000)
+
+
+def test_a_bucket_alone_gives_the_sidecar_the_bucket_as_its_storage_and_no_claim() -> None:
+    spec = policy_spec()
+    spec["storage"] = {"bucket": BUCKET}
+    verdict = policy.judge(spec, claim_exists=False)
+    assert verdict.ready and "bucket 's3://ckpts/team-a' (no claim" in verdict.message
+    pod = injected(spec=spec)
+    sidecar = pod["spec"]["initContainers"][0]
+    assert "--storage" not in sidecar["command"]
+    assert not [v for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert injection.STORAGE_VOLUME not in [m["name"] for m in sidecar["volumeMounts"]]
+
+    from stowaway.cli import build_parser
+    from stowaway.sidecar.config import SidecarConfig
+
+    args = build_parser().parse_args(sidecar["command"][1:])
+    config = SidecarConfig(**{s.name: getattr(args, s.name) for s in injection.sidecar_settings.ALL
+                              if getattr(args, s.name) is not None and s.name != "allowed_uids"})
+    assert (config.storage, config.bucket, config.bucket_tier) == (None, "s3://ckpts/team-a", False)
+

@@ -231,6 +231,12 @@ def _containers(names: list[str]) -> str:
     return f"containers {', '.join(quoted[:-1])} and {quoted[-1]}"
 
 
+def claim_of(spec: Mapping[str, Any]) -> str | None:
+    """The policy's claim; None where its bucket alone is the storage."""
+    claim: str | None = (spec["storage"].get("persistentVolumeClaim") or {}).get("claimName")
+    return claim
+
+
 def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
     """Return the merge-patch fragment that injects the sidecar, or ``{}`` if already injected.
 
@@ -244,7 +250,7 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
     """
     refuse_forgeries(pod)
     pod_spec = pod.get("spec", {})
-    claim = spec["storage"]["persistentVolumeClaim"]["claimName"]
+    claim = claim_of(spec)
     if already_injected(pod):
         _refuse_claim_mounts(pod_spec, claim)
         return {}
@@ -304,7 +310,7 @@ def _shared_group(pod_spec: Mapping[str, Any]) -> dict[str, Any]:
     return shared
 
 
-def _refuse_conflicts(pod_spec: Mapping[str, Any], claim: str) -> None:
+def _refuse_conflicts(pod_spec: Mapping[str, Any], claim: str | None) -> None:
     """Refuse a Pod whose own volumes or mounts would collide with ours, rather than inject a broken one."""
     taken = {v.get("name") for v in pod_spec.get("volumes") or []} & set(OUR_VOLUMES)
     if taken:
@@ -329,14 +335,16 @@ def _refuse_conflicts(pod_spec: Mapping[str, Any], claim: str) -> None:
                 )
 
 
-def _refuse_claim_mounts(pod_spec: Mapping[str, Any], claim: str) -> None:
-    """Refuse a Pod in which any container but the sidecar mounts the policy's claim.
+def _refuse_claim_mounts(pod_spec: Mapping[str, Any], claim: str | None) -> None:
+    """Refuse a Pod in which any container but the sidecar mounts the policy's claim (if it names one).
 
     The claim is the sidecar's alone: a trainer writing into it could corrupt
     or delete committed checkpoints behind the sidecar's retention and commit
     protocol. Checked for injected Pods too (the sidecar's own storage volume
     is the claim's, so the sidecar is the one container exempt).
     """
+    if claim is None:
+        return
     claim_volumes = {
         v.get("name") for v in pod_spec.get("volumes") or []
         if (v.get("persistentVolumeClaim") or {}).get("claimName") == claim
@@ -414,12 +422,13 @@ def _quantity(text: str) -> Decimal:
 
 
 def _volumes(spec: Mapping[str, Any], shm_limit: str | None) -> list[dict[str, Any]]:
-    claim = spec["storage"]["persistentVolumeClaim"]
+    claim = claim_of(spec)
     shm: dict[str, Any] = {"medium": "Memory"} if shm_limit is None else {"medium": "Memory", "sizeLimit": shm_limit}
+    storage = [] if claim is None else [{"name": STORAGE_VOLUME, "persistentVolumeClaim": {"claimName": claim}}]
     return [
         {"name": SHM_VOLUME, "emptyDir": shm},
         {"name": SOCKET_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
-        {"name": STORAGE_VOLUME, "persistentVolumeClaim": {"claimName": claim["claimName"]}},
+        *storage,
         *bucket_tier.volumes(spec),
     ]
 
@@ -435,7 +444,7 @@ def _sidecar_command(pod_spec: Mapping[str, Any], spec: Mapping[str, Any]) -> li
     """The sidecar's command line: the pod's paths, every setting the policy sets, the trainers' uids."""
     command = [
         "stowaway", "sidecar",
-        *sidecar_settings.STORAGE.command_line(STORAGE_PATH),
+        *(sidecar_settings.STORAGE.command_line(STORAGE_PATH) if claim_of(spec) is not None else []),
         *sidecar_settings.SOCKET.command_line(SOCKET_PATH),
         *sidecar_settings.SHM_DIR.command_line(SLOT_DIR),
     ]
@@ -449,9 +458,10 @@ def _sidecar_command(pod_spec: Mapping[str, Any], spec: Mapping[str, Any]) -> li
 def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image: str) -> dict[str, Any]:
     sidecar_spec = spec["sidecar"]
     metrics_port = sidecar_settings.METRICS_PORT.policy_value(spec)
-    storage_mount = {"name": STORAGE_VOLUME, "mountPath": STORAGE_PATH}
-    if spec["storage"]["persistentVolumeClaim"].get("subPath"):
-        storage_mount["subPath"] = spec["storage"]["persistentVolumeClaim"]["subPath"]
+    claim = spec["storage"].get("persistentVolumeClaim")
+    storage_mount = [] if claim is None else [{"name": STORAGE_VOLUME, "mountPath": STORAGE_PATH}]
+    if claim is not None and claim.get("subPath"):
+        storage_mount[0]["subPath"] = claim["subPath"]
     sidecar: dict[str, Any] = {
         "name": SIDECAR_NAME,
         "image": sidecar_spec.get("image") or default_image,
@@ -463,7 +473,7 @@ def _sidecar(pod_spec: Mapping[str, Any], spec: Mapping[str, Any], default_image
         "volumeMounts": [
             {"name": SHM_VOLUME, "mountPath": SHM_PATH},
             {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR},
-            storage_mount,
+            *storage_mount,
             *bucket_tier.mounts(spec),
         ],
         "startupProbe": copy.deepcopy(STARTUP_PROBE),

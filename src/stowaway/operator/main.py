@@ -168,8 +168,8 @@ async def _refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -
     policy, which would block deleting a namespace while the operator is down.
     """
     namespace, name, spec = _namespace(body), body.metadata.name, body.spec
-    claim = spec["storage"]["persistentVolumeClaim"]["claimName"]
-    exists = await asyncio.to_thread(cluster.claim_exists, memo.api, namespace, claim)
+    claim = injection.claim_of(spec)
+    exists = claim is None or await asyncio.to_thread(cluster.claim_exists, memo.api, namespace, claim)
     injected = await asyncio.to_thread(cluster.count_injected, memo.api, namespace, name)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     current = dict(body.status)

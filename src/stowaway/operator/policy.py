@@ -29,16 +29,23 @@ def judge(spec: Mapping[str, Any], claim_exists: bool) -> Verdict:
     """Decide whether pods may be injected with this policy.
 
     The schema already bounds every field (``persistence.checksum`` to the one
-    the sidecar implements); what remains needs the cluster: the claim.
+    the sidecar implements, a claim or a bucket or both); what remains needs
+    the cluster: the claim, where the policy names one.
     """
-    claim = spec["storage"]["persistentVolumeClaim"]["claimName"]
-    if not claim_exists:
+    storage = spec["storage"]
+    claim = (storage.get("persistentVolumeClaim") or {}).get("claimName")
+    url = (storage.get("bucket") or {}).get("url")
+    if claim is not None and not claim_exists:
         return Verdict(
             False, "ClaimNotFound",
             f"PersistentVolumeClaim {claim!r} does not exist in this namespace; create it or fix "
             "spec.storage.persistentVolumeClaim.claimName",
         )
-    return Verdict(True, "Valid", f"pods labelled stowaway.dev/inject=enabled get a sidecar storing to claim {claim!r}")
+    if claim is None:
+        where = f"bucket {url!r} (no claim: each rank's slot is held until its upload ends)"
+    else:
+        where = f"claim {claim!r}" + (f", then bucket {url!r}" if url else "")
+    return Verdict(True, "Valid", f"pods labelled stowaway.dev/inject=enabled get a sidecar storing to {where}")
 
 
 def status(verdict: Verdict, generation: int, previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
