@@ -1,12 +1,16 @@
-"""``python -m bench.bucket``: the bucket tier's upload and restore against the same client used plainly, in one run.
+"""``python -m bench.bucket``: uploads to and restores from a bucket against the same client used plainly, in one run.
 
-For each size, the same file is moved four ways, ``--reps`` times each:
+For each size, the same file is moved five ways, ``--reps`` times each:
 
 - ``upload``: the tier's upload of a committed rank file
   (``Bucket.upload_file``: streamed multipart, hashed while sent, checked
   against the manifest before the last part);
 - ``reference_upload``: obstore's ``put`` of the same file as its docs show
   it (a path, multipart with its default part size and concurrency);
+- ``slot_upload``: a bucket alone's save, the same bytes uploaded from a
+  slot-like shared mapping (``bucket_store.SlotUpload``: parts copied out of
+  the mapping, checksums computed beside them), against the same
+  reference;
 - ``restore``: the tier's copy of the object onto a claim
   (``Bucket.download_file``: streamed, hashed, fdatasync'ed, renamed);
 - ``reference_download``: obstore's ``get`` streamed into a file, then
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -40,7 +45,7 @@ from unittest import mock
 import obstore
 
 from bench import report, s3server
-from stowaway.storage import bucket, checksum, manifest
+from stowaway.storage import bucket, bucket_store, checksum, manifest
 
 
 def _timed(action: Callable[[], None], reps: int) -> list[float]:
@@ -70,9 +75,17 @@ def measure(url: str, nbytes: int, reps: int, scratch: Path) -> dict[str, Any]:
     entry = manifest.FileEntry(0, source.name, nbytes, checksum.of_file(source))
     ours, theirs = target.location.key("bench", "ours"), target.location.key("bench", "reference")
     stop = threading.Event()
+    slot = memoryview(mmap.mmap(-1, nbytes))
+    with source.open("rb", buffering=0) as handle:
+        filled = 0
+        while filled < nbytes:
+            filled += handle.readinto(slot[filled:])
+    from_slot = bucket_store.SlotUpload(target, ours)
     seconds = {
         "upload": _timed(lambda: target.upload_file(ours, source, entry, stop, lambda _n: None), reps),
         "reference_upload": _timed(lambda: obstore.put(store, theirs, source), reps),
+        "slot_upload": _timed(lambda: from_slot.write(slot, nbytes, lambda _n: None, lambda: None),
+                              reps),
         "restore": _timed(lambda: target.download_file(ours, scratch / "restored", entry, lambda _n: None), reps),
         "reference_download": _timed(lambda: _download_plainly(store, theirs, scratch / "downloaded"), reps),
     }
@@ -82,17 +95,20 @@ def measure(url: str, nbytes: int, reps: int, scratch: Path) -> dict[str, Any]:
         "bytes": nbytes, "seconds": seconds,
         "mb_per_s": {name: nbytes / value / 1e6 for name, value in medians.items()},
         "ratios": {"upload_vs_reference": medians["upload"] / medians["reference_upload"],
+                   "slot_upload_vs_reference": medians["slot_upload"] / medians["reference_upload"],
                    "restore_vs_reference": medians["restore"] / medians["reference_download"]},
     }
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| size | upload MB/s | reference upload MB/s | ratio | restore MB/s | reference download MB/s | ratio |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| size | upload MB/s | reference upload MB/s | ratio | upload from a slot MB/s | ratio | restore MB/s "
+            "| reference download MB/s | ratio |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for result in results:
         speed, ratio = result["mb_per_s"], result["ratios"]
         rows.append(f"| {result['bytes'] / 2**20:.0f} MiB | {speed['upload']:.0f} | {speed['reference_upload']:.0f} | "
-                    f"{ratio['upload_vs_reference']:.2f} | {speed['restore']:.0f} | "
+                    f"{ratio['upload_vs_reference']:.2f} | {speed['slot_upload']:.0f} | "
+                    f"{ratio['slot_upload_vs_reference']:.2f} | {speed['restore']:.0f} | "
                     f"{speed['reference_download']:.0f} | {ratio['restore_vs_reference']:.2f} |")
     return "\n".join(rows)
 

@@ -31,7 +31,7 @@ def test_the_bucket_bench_measures_upload_and_restore_against_the_plain_client(
     assert run.returncode == 0, run.stdout + run.stderr
     (result,) = json.loads(out.read_text())["results"]
     assert result["bytes"] == 20 * 2**20
-    assert set(result["seconds"]) == {"upload", "reference_upload", "restore", "reference_download"}
+    assert set(result["seconds"]) == {"upload", "reference_upload", "slot_upload", "restore", "reference_download"}
     assert all(value > 0 for value in result["ratios"].values())
     assert "| 20 MiB |" in run.stdout
     objects = [meta["path"] for chunk in obstore.list(s3_server.store(s3_bucket)) for meta in chunk]

@@ -75,7 +75,7 @@ def test_the_benchmark_harness_measures_the_bucket_tier_in_the_same_run(tmp_path
     assert finished.returncode == 0, finished.stderr[-4000:]
     (uploads,) = json.loads((tmp_path / "out" / "bucket.json").read_text())["results"]
     assert uploads["bytes"] == 8 * 2**20
-    assert set(uploads["seconds"]) == {"upload", "reference_upload", "restore", "reference_download"}
+    assert set(uploads["seconds"]) == {"upload", "reference_upload", "slot_upload", "restore", "reference_download"}
     assert all(len(values) == 2 for values in uploads["seconds"].values())
     markdown = (tmp_path / "out" / "results.md").read_text()
     assert f"### Bucket tier against {target}" in markdown and "| size | upload MB/s |" in markdown
