@@ -248,6 +248,12 @@ def test_without_a_claim_a_bucket_down_fails_the_step_hands_the_slot_back_and_th
     failed = rank.wait(2, timeout=60)
     assert not failed["committed"]
     assert "bucket_unreachable" in failed["error"] and "check the endpoint" in failed["error"], failed["error"]
+    # A restore meanwhile says why it cannot list the steps, rather than finding none and starting over.
+    restoring = start_rank(sidecar, job="other")
+    restoring.send(op="load")
+    refused = restoring.read()
+    assert refused["type"] == "SidecarUnavailable" and "bucket_unreachable" in refused["error"], refused
+    restoring.exit()
     own_server.start()
     own_server.wait_writable("ckpt")
     # The slot came back with the failure: the rank saves on, and the bucket commits the next step.

@@ -173,7 +173,14 @@ class Session:
         await committer.settled(state.job)
         if self._sidecar.bucket_tier is not None:
             await self._sidecar.bucket_tier.fill_claim(state.job)
-        self.send(await asyncio.to_thread(restore.inventory, committer.store, state))
+        try:
+            inventory = await asyncio.to_thread(restore.inventory, committer.store, state)
+        except (OSError, step_store.StoreError) as exc:
+            # No answer rather than an empty one, which load() would take for "nothing saved: start over".
+            self._sidecar.stats.failed(exc.kind if isinstance(exc, step_store.StoreError) else "storage_io")
+            self.close(f"cannot list the committed steps of job {state.job} in storage: {exc}")
+            return
+        self.send(inventory)
 
     @_HANDLERS.on(messages.Open)
     async def _open(self, message: messages.Open) -> None:
