@@ -132,3 +132,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Everything is written and the process group destroyed. At interpreter exit, a rank of the save job was
+    # aborted twice in many runs by a C++ destructor ("terminate called without an active exception"): leave
+    # without running them, so that the test judges the restore, not torch's teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
