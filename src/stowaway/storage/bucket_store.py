@@ -41,7 +41,7 @@ class SlotUpload:
     def write(self, payload: memoryview, nbytes: int, before_chunk: Callable[[int], None],
               verify: Callable[[], None]) -> tuple[str, checksum.Pieces]:
         with ThreadPoolExecutor(1, thread_name_prefix="checksum") as hashing:
-            digests = hashing.submit(lambda: (checksum.of_bytes(payload[:nbytes]), checksum.pieces_of(payload, nbytes)))
+            digests = hashing.submit(checksum.digests_of, payload, nbytes)
             self._bucket.upload(self._key, self._parts(payload, nbytes, before_chunk, verify), nbytes,
                                 f"uploading {self.where}")
             return digests.result()
@@ -60,10 +60,8 @@ class SlotUpload:
             yield data
 
     def finish(self) -> None:
-        """Nothing left to do: the upload completed inside ``write``."""
-
-    def discard(self) -> None:
-        """Nothing to remove: a failed multipart upload was aborted, and never became visible."""
+        """Nothing left to do: the upload completed inside ``write`` (one that failed was aborted, and never
+        became visible)."""
 
 
 class BucketStore:

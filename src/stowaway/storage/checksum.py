@@ -70,6 +70,12 @@ def piece_bytes_for(data_bytes: int) -> int:
     return -(-wanted // _PAGE) * _PAGE
 
 
+def digests_of(payload: memoryview, nbytes: int) -> tuple[str, Pieces]:
+    """The checksum of the first ``nbytes`` of ``payload`` whole and piece by piece: what a manifest's entry
+    records of a file written from a slot."""
+    return of_bytes(payload[:nbytes]), pieces_of(payload, nbytes)
+
+
 def pieces_of(payload: memoryview, nbytes: int) -> Pieces:
     """The piece checksums of a safetensors image of ``nbytes`` at the start of ``payload``."""
     header_bytes = min(nbytes, 8 + struct.unpack_from("<Q", payload)[0]) if nbytes >= 8 else nbytes

@@ -51,7 +51,7 @@ def write_from(fd: int, payload: memoryview, nbytes: int,
     ``before_chunk`` is called with each chunk's size first (the write-rate limit).
     """
     with ThreadPoolExecutor(1, thread_name_prefix="checksum") as hashing:
-        digest = hashing.submit(lambda: (checksum.of_bytes(payload[:nbytes]), checksum.pieces_of(payload, nbytes)))
+        digest = hashing.submit(checksum.digests_of, payload, nbytes)
         direct = _is_direct(fd)
         for begin in range(0, nbytes, CHUNK_BYTES):
             end = min(begin + CHUNK_BYTES, nbytes)

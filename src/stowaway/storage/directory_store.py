@@ -42,19 +42,15 @@ class DirectoryFile:
             digests = direct_io.write_from(self.fd, payload, nbytes, before_chunk)
             verify()
         except BaseException:
-            self.discard()
+            os.close(self.fd)
+            self.fd = -1
+            self.tmp.unlink(missing_ok=True)
             raise
         return digests
 
     def finish(self) -> None:
         fd, self.fd = self.fd, -1
         durable.publish(fd, self.tmp, self.final)
-
-    def discard(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-            self.tmp.unlink(missing_ok=True)
 
 
 class DirectoryStore:

@@ -37,8 +37,8 @@ class ManifestExists(StoreError):
 class RankFileWrite(Protocol):
     """One rank file being written: ``write`` moves the bytes, ``finish`` makes them durable under their name.
 
-    Until ``finish`` returns nothing of the file counts; ``discard`` removes
-    what was written (and is a no-op once finished).
+    Until ``finish`` returns nothing of the file counts; a ``write`` that
+    raises leaves nothing behind.
     """
 
     @property
@@ -58,8 +58,6 @@ class RankFileWrite(Protocol):
         ...
 
     def finish(self) -> None: ...
-
-    def discard(self) -> None: ...
 
 
 class StepStore(Protocol):
