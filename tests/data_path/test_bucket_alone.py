@@ -128,4 +128,42 @@ def test_retention_in_a_bucket_alone_drops_old_steps_manifest_first_and_sweeps_o
     # Any age counts as abandoned now, whatever the rounding of the server's timestamps.
     assert store.retain("job", keep_last=2, keep_every=0, abandoned_after=-60.0, busy={4}) == [1]
     assert store.committed_steps("job") == [3, 6]
-    assert sorted(store.bucket.step_objects("job")) == [3, 4, 6], "a busy torn step stays"
+    assert sorted(store.bucket.step_listing("job")) == [3, 4, 6], "a busy torn step stays"
+
+
+def test_rollback_on_a_bucket_alone_sets_newer_steps_aside_and_the_job_resumes_from_the_older_one(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank) -> None:
+    url = f"s3://{s3_bucket}/back"
+    sidecar = start_sidecar("a", extra=["--bucket", url], claim=False)
+    rank = start_rank(sidecar)
+    for step in (1, 2, 3, 4):
+        rank.save(step)
+        assert rank.wait(step).get("committed"), f"step {step} was not committed"
+    rank.exit()
+    sidecar.stop()
+    store = store_at(bucket_env, url)
+    # A torn step 5 (its rank file, no manifest) goes aside with the committed ones.
+    store.bucket.put(store.bucket.step_key("job", 5, layout.rank_file_name(0, 1)), b"torn")
+
+    refused = stowaway("rollback", f"{url}/job", "--to", "7")
+    assert refused.returncode != 0 and "step 7 is not committed" in refused.stderr, refused.stderr
+    assert store.committed_steps("job") == [1, 2, 3, 4], "a refused rollback moves nothing"
+
+    done = stowaway("rollback", f"{url}/job", "--to", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert store.committed_steps("job") == [1, 2]
+    assert sorted(store.bucket.step_listing("job")) == [1, 2]
+    assert store.bucket.read(store.bucket.location.key("job", layout.LATEST)) == b"2\n"
+    listed = stowaway("ls", f"{url}/job").stdout
+    for step in (3, 4, 5):
+        assert f"rolled-back-step-{step:012d}-" in listed, listed
+    verified = stowaway("verify", f"{url}/job")
+    assert verified.stdout.splitlines() == ["step 1: ok", "step 2: ok"], verified.stdout + verified.stderr
+
+    resumed = start_sidecar("b", extra=["--bucket", url], claim=False)
+    again = start_rank(resumed)
+    assert again.call(op="load") == {"step": 2, "intact": True, "numel": 1024}
+    again.save(3)
+    assert again.wait(3).get("committed"), "the job saves the steps after the rollback again"
+    again.exit()
+    assert store.committed_steps("job") == [1, 2, 3]

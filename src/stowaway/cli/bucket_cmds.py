@@ -1,4 +1,4 @@
-"""``stowaway ls``, ``verify`` and ``inspect`` on ``s3://`` URLs: the same output as on a directory.
+"""``stowaway ls``, ``verify``, ``inspect`` and ``rollback`` on ``s3://`` URLs: the same output as on a directory.
 
 The bucket is reached as the sidecar reaches it: ``AWS_ENDPOINT_URL``,
 ``AWS_REGION``, ``AWS_CA_BUNDLE`` and the credentials from the environment.
@@ -9,10 +9,11 @@ streams each object through the checksum.
 from __future__ import annotations
 
 import sys
+import time
 
 from stowaway.cli import catalog_cmds
 from stowaway.cli.errors import CommandError
-from stowaway.storage import bucket, bucket_jobs, manifest
+from stowaway.storage import bucket, bucket_jobs, layout, manifest
 
 
 def _jobs(url: str) -> list[bucket_jobs.BucketJob]:
@@ -86,4 +87,37 @@ def run_inspect(url: str, step: int) -> int:
         key = job.store.step_key(job.job, step, entry.name)
         catalog_cmds.print_rank(entry, job.where(step, entry.name),
                                 lambda start, length: job.store.read_range(key, start, length))  # noqa: B023
+    return 0
+
+
+def run_rollback(url: str, to: int) -> int:
+    """Set every step of the job newer than ``to`` aside in the bucket, newest first, then point ``latest`` at
+    ``to``.
+
+    For a bucket used without a claim, where it is the only copy. Newest
+    first, so that if the command is interrupted the steps still in place
+    are the oldest ones, and running it again finishes the rollback; an
+    interrupted step's partial copy stays as a folder set aside.
+    """
+    job = _single(url)
+    store = job.store
+    try:
+        listing = store.step_listing(job.job)
+        committed = bucket.committed_in(listing)
+        if to not in committed:
+            listed = ", ".join(str(step) for step in committed[-10:]) or "none"
+            raise CommandError(f"step {to} is not committed in {job.url} (newest committed: {listed}); "
+                               "nothing was set aside")
+        stamp_ns = time.time_ns()
+        newer = sorted((step for step in listing if step > to), reverse=True)
+        for step in newer:
+            where = store.set_aside_step(job.job, step, stamp_ns, listing[step], layout.ROLLED_BACK)
+            print(f"step {step}: set aside as {where}")
+        store.put(store.location.key(job.job, layout.LATEST), f"{to}\n".encode())
+    except bucket.BucketError as exc:
+        raise CommandError(f"{exc}; run the rollback again once the bucket is reachable") from None
+    if not newer:
+        print(f"step {to} is already the newest step of {job.url}")
+    else:
+        print(f"step {to} is now the newest committed step of {job.url}: load() resumes from it")
     return 0

@@ -7,14 +7,17 @@ are renamed, not deleted: ``stowaway ls`` lists them, and renaming one back
 undoes the rollback. A record of the rollback stays in the job's directory,
 written before anything is renamed: a bucket tier reads it and sets its
 copies of the abandoned steps aside too, rather than restoring them.
+
+On ``s3://`` (a bucket used without a claim) the steps are set aside in the
+bucket itself: see ``bucket_cmds.run_rollback``.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from stowaway.cli.catalog_cmds import single_job
+from stowaway.cli import bucket_cmds
+from stowaway.cli.catalog_cmds import single_job, target
 from stowaway.cli.errors import CommandError
 from stowaway.storage import catalog, layout, rollbacks
 from stowaway.storage.set_aside import set_aside
@@ -26,13 +29,18 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Make committed step --to the newest of the job, so that load() resumes from it and the job "
         "saves the steps after it again: every newer step directory, committed or partial, is renamed to "
         "rolled-back-step-<step>-<ns> with its files, and a bucket tier sets its copies of them aside at its next "
-        "start or upload. Run it while the job is stopped.")
-    rollback.add_argument("dir", type=Path, help="one job's directory in the storage (or a storage holding one job)")
+        "start or upload. On s3:// (a bucket without a claim) the newer steps are copied to "
+        "rolled-back-step-<step>-<ns>/ in the bucket and then deleted; for a job whose sidecar has a claim, roll "
+        "back on the claim instead, and the bucket follows. Run it while the job is stopped.")
+    rollback.add_argument("dir", type=target,
+                          help="one job's directory in the storage (or a storage holding one job), or its s3:// URL")
     rollback.add_argument("--to", type=int, required=True, metavar="STEP", help="the committed step to go back to")
     rollback.set_defaults(handler=run_rollback)
 
 
 def run_rollback(args: argparse.Namespace) -> int:
+    if isinstance(args.dir, str):
+        return bucket_cmds.run_rollback(args.dir, args.to)
     job = single_job(args.dir)
     committed = catalog.committed_steps(job)
     if args.to not in committed:

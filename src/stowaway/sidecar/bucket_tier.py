@@ -156,9 +156,9 @@ class BucketTier:
         for step in tier_plan.to_upload(claim, known, self._config.bucket_keep_every):
             if self._upload_step(store, job, step):
                 known.append(step)
-        present = store.step_objects(job)
-        committed = sorted(step for step, keys in present.items()
-                           if any(key.endswith("/" + layout.MANIFEST) for key in keys))
+        listing = store.step_listing(job)
+        present = {step: [found.key for found in objects] for step, objects in listing.items()}
+        committed = bucket.committed_in(listing)
         if committed:
             self._metrics.newest("bucket", committed[-1])
         dropped = tier_plan.to_delete(committed, self._config.bucket_keep_last, self._config.bucket_keep_every)
@@ -202,10 +202,9 @@ class BucketTier:
         abandoned = self._rolled_back(store, job, committed)
         if not abandoned:
             return committed
-        present = store.step_objects(job)
+        present = store.step_listing(job)
         for step, rollback in sorted(abandoned.items()):
-            where = store.set_aside_step(job, self._bucket_manifest(store, job, step), rollback.stamp_ns,
-                                         present.get(step, []))
+            where = store.set_aside_step(job, step, rollback.stamp_ns, present.get(step, []))
             self._manifests.pop((job, step), None)
             log.info("step %d of job %s was rolled back to step %d on the claim: set aside in the bucket as %s",
                      step, job, rollback.to, where)

@@ -166,6 +166,20 @@ def classify(exc: Exception, what: str) -> BucketError:
     return BucketError(kind, f"{what} failed ({kind}): {hint}. Details: {first_line[:500]}")
 
 
+@dataclass(frozen=True)
+class StoredObject:
+    key: str
+    nbytes: int
+    # When it was last written, in Unix seconds.
+    unix: float
+
+
+def committed_in(listing: dict[int, list[StoredObject]]) -> list[int]:
+    """The steps of a ``step_listing`` that hold a manifest (are committed), oldest first."""
+    return sorted(step for step, objects in listing.items()
+                  if any(found.key.endswith("/" + layout.MANIFEST) for found in objects))
+
+
 class Bucket:
     """One sidecar storage location in a bucket, with the operations the tiers and the tools need."""
 
@@ -175,7 +189,11 @@ class Bucket:
         self._store = open_store(location, settings)
 
     def url(self, *parts: str) -> str:
-        return f"{SCHEME}{self.location.bucket}/{self.location.key(*parts)}"
+        return self.key_url(self.location.key(*parts))
+
+    def key_url(self, key: str) -> str:
+        """Object ``key`` as the URL a user would pass to ``stowaway``: what messages name."""
+        return f"{SCHEME}{self.location.bucket}/{key}"
 
     def step_key(self, job: str, step: int, name: str = "") -> str:
         return self.location.key(job, layout.step_dir(Path(), step).name, name)
@@ -193,23 +211,19 @@ class Bucket:
             raise classify(exc, f"listing {self.url(*below)}") from exc
         return sorted(common.rstrip("/").rsplit("/", 1)[-1] for common in found["common_prefixes"])
 
-    def step_objects(self, job: str) -> dict[int, list[str]]:
-        """Every object key below each step of ``job``, committed or not."""
-        return {step: [key for key, _ in found] for step, found in self.step_listing(job).items()}
-
-    def step_listing(self, job: str) -> dict[int, list[tuple[str, float]]]:
-        """Every object below each step of ``job`` with when it was last written (Unix seconds)."""
+    def step_listing(self, job: str) -> dict[int, list[StoredObject]]:
+        """Every object below each step of ``job``, committed or not."""
         import obstore
 
         prefix = self.location.key(job) + "/"
-        steps: dict[int, list[tuple[str, float]]] = {}
+        steps: dict[int, list[StoredObject]] = {}
         try:
             for chunk in obstore.list(self._store, prefix, chunk_size=1000):
                 for meta in chunk:
                     match = _STEP_KEY.match(meta["path"][len(prefix):])
                     if match:
                         steps.setdefault(int(match.group(1)), []).append(
-                            (meta["path"], meta["last_modified"].timestamp()))
+                            StoredObject(meta["path"], meta["size"], meta["last_modified"].timestamp()))
         except Exception as exc:
             raise classify(exc, f"listing {self.url(job)}") from exc
         return steps
@@ -222,16 +236,15 @@ class Bucket:
         try:
             return [meta["path"] for chunk in obstore.list(self._store, prefix, chunk_size=1000) for meta in chunk]
         except Exception as exc:
-            raise classify(exc, f"listing {SCHEME}{self.location.bucket}/{prefix}") from exc
+            raise classify(exc, f"listing {self.key_url(prefix)}") from exc
 
     def committed_steps(self, job: str) -> list[int]:
         """Steps whose manifest object exists, oldest first."""
-        return sorted(step for step, keys in self.step_objects(job).items()
-                      if any(key.endswith("/" + layout.MANIFEST) for key in keys))
+        return committed_in(self.step_listing(job))
 
     def read_manifest(self, job: str, step: int) -> manifest.Manifest:
         key = self.step_key(job, step, layout.MANIFEST)
-        return manifest.manifest_from_bytes(f"{SCHEME}{self.location.bucket}/{key}", self.read(key))
+        return manifest.manifest_from_bytes(self.key_url(key), self.read(key))
 
     def read(self, key: str) -> bytes:
         import obstore
@@ -239,9 +252,9 @@ class Bucket:
         try:
             return bytes(obstore.get(self._store, key).bytes())
         except FileNotFoundError as exc:
-            raise NotFound(f"{SCHEME}{self.location.bucket}/{key} does not exist") from exc
+            raise NotFound(f"{self.key_url(key)} does not exist") from exc
         except Exception as exc:
-            raise classify(exc, f"reading {SCHEME}{self.location.bucket}/{key}") from exc
+            raise classify(exc, f"reading {self.key_url(key)}") from exc
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         """``length`` bytes from ``start``: what ``inspect`` and readers of one header need, not the object."""
@@ -250,7 +263,7 @@ class Bucket:
         try:
             return bytes(obstore.get_range(self._store, key, start=start, length=length))
         except Exception as exc:
-            raise classify(exc, f"reading {SCHEME}{self.location.bucket}/{key}") from exc
+            raise classify(exc, f"reading {self.key_url(key)}") from exc
 
     def chunks(self, key: str) -> Iterator[memoryview]:
         """Object ``key`` streamed in chunks of about 1 MiB, never whole in memory.
@@ -265,7 +278,7 @@ class Bucket:
             for chunk in obstore.get(self._store, key).stream(min_chunk_size=READ_CHUNK_BYTES):
                 yield memoryview(chunk)
         except Exception as exc:
-            raise classify(exc, f"reading {SCHEME}{self.location.bucket}/{key}") from exc
+            raise classify(exc, f"reading {self.key_url(key)}") from exc
 
     # Writing.
 
@@ -280,7 +293,7 @@ class Bucket:
         """
         with path.open("rb", buffering=0) as handle:
             self.upload(key, self._chunks(handle, path, entry, stopping, sent), entry.bytes,
-                        f"uploading {path} to {SCHEME}{self.location.bucket}/{key}")
+                        f"uploading {path} to {self.key_url(key)}")
 
     def upload(self, key: str, chunks: Iterator[bytes], nbytes: int, what: str) -> None:
         """Upload ``nbytes`` from ``chunks`` as ``key``: a multipart upload of several parts in flight when larger
@@ -338,8 +351,8 @@ class Bucket:
             from obstore import exceptions
 
             if isinstance(exc, exceptions.AlreadyExistsError):
-                raise Exists(f"{SCHEME}{self.location.bucket}/{key} exists already") from exc
-            raise classify(exc, f"writing {SCHEME}{self.location.bucket}/{key}") from exc
+                raise Exists(f"{self.key_url(key)} exists already") from exc
+            raise classify(exc, f"writing {self.key_url(key)}") from exc
 
     def delete(self, keys: list[str]) -> None:
         import obstore
@@ -369,7 +382,7 @@ class Bucket:
                 # Asynchronous, because obstore cannot read one object inside the runtime writing another.
                 asyncio.run(self._stream_copy(source, target))
         except Exception as exc:
-            raise classify(exc, f"copying {SCHEME}{self.location.bucket}/{source} to {target}") from exc
+            raise classify(exc, f"copying {self.key_url(source)} to {target}") from exc
 
     async def _stream_copy(self, source: str, target: str) -> None:
         import obstore
@@ -379,9 +392,10 @@ class Bucket:
                                 use_multipart=True, chunk_size=self.settings.part_bytes,
                                 max_concurrency=self.settings.concurrency)
 
-    def set_aside_step(self, job: str, found: manifest.Manifest, stamp_ns: int, keys: list[str],
+    def set_aside_step(self, job: str, step: int, stamp_ns: int, objects: list[StoredObject],
                        why: str = layout.ROLLED_BACK) -> str:
-        """Move committed step ``found`` out of the step names, as ``stowaway rollback`` does on a claim; its URL.
+        """Move ``step``'s ``objects`` (committed or partial) out of the step names, as ``stowaway rollback`` does
+        on a claim; its URL.
 
         A bucket cannot rename: every object is copied under
         ``rolled-back-step-<step>-<stamp_ns>/``, then the originals are
@@ -389,13 +403,11 @@ class Bucket:
         record, so a retry after a crash writes the same names again, and
         the step stays committed under its own name until its copy is whole.
         """
-        target = self.location.key(job, layout.set_aside_dir(Path(), found.step, stamp_ns, why).name)
-        sizes = {entry.name: entry.bytes for entry in found.files}
-        for key in sorted(keys, key=lambda key: key.endswith("/" + layout.MANIFEST)):
-            name = key.rsplit("/", 1)[-1]
-            self.copy(key, f"{target}/{name}", sizes.get(name, 0))
-        self.remove_step(job, keys)
-        return f"{SCHEME}{self.location.bucket}/{target}"
+        target = self.location.key(job, layout.set_aside_dir(Path(), step, stamp_ns, why).name)
+        for found in sorted(objects, key=lambda found: found.key.endswith("/" + layout.MANIFEST)):
+            self.copy(found.key, f"{target}/{found.key.rsplit('/', 1)[-1]}", found.nbytes)
+        self.remove_step(job, [found.key for found in objects])
+        return self.key_url(target)
 
     def download_file(self, key: str, final: Path, entry: manifest.FileEntry, received: Callable[[int], None]) -> None:
         """Copy object ``key`` to ``final`` durably (temp name, fdatasync, rename, directory fsync), checked
@@ -412,7 +424,7 @@ class Bucket:
                 while chunk:
                     chunk = chunk[os.write(fd, chunk):]
             if total != entry.bytes or hasher.hexdigest() != entry.xxh3_64:
-                raise Mismatch(f"{SCHEME}{self.location.bucket}/{key}: {total} bytes with xxh3-64 "
+                raise Mismatch(f"{self.key_url(key)}: {total} bytes with xxh3-64 "
                                f"{hasher.hexdigest()}, the manifest says {entry.bytes} bytes with {entry.xxh3_64}")
         except BaseException:
             os.close(fd)

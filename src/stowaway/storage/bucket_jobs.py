@@ -35,7 +35,7 @@ class BucketJob:
         return self.store.read_manifest(self.job, step)
 
     def where(self, step: int, name: str) -> str:
-        return f"{bucket.SCHEME}{self.store.location.bucket}/{self.store.step_key(self.job, step, name)}"
+        return self.store.key_url(self.store.step_key(self.job, step, name))
 
     def read_file(self, step: int, entry: manifest.FileEntry) -> tuple[bytearray, str | None]:
         """A rank's file whole, and what is wrong with it (None if it matches ``entry``)."""

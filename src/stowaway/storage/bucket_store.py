@@ -36,7 +36,7 @@ class SlotUpload:
     def __init__(self, store: bucket.Bucket, key: str) -> None:
         self._bucket = store
         self._key = key
-        self.where = f"{bucket.SCHEME}{store.location.bucket}/{key}"
+        self.where = store.key_url(key)
 
     def write(self, payload: memoryview, nbytes: int, before_chunk: Callable[[int], None],
               verify: Callable[[], None]) -> tuple[str, checksum.Pieces]:
@@ -78,7 +78,7 @@ class BucketStore:
     def where(self, job: str, step: int | None = None, name: str = "") -> str:
         if step is None:
             return self.bucket.url(job)
-        return f"{bucket.SCHEME}{self.bucket.location.bucket}/{self._step_key(job, step, name)}".rstrip("/")
+        return self.bucket.key_url(self._step_key(job, step, name))
 
     def probe(self) -> str | None:
         try:
@@ -135,8 +135,7 @@ class BucketStore:
 
     def retain(self, job: str, keep_last: int, keep_every: int, abandoned_after: float, busy: set[int]) -> list[int]:
         listing = self.bucket.step_listing(job)
-        committed = sorted(step for step, found in listing.items()
-                           if any(key.endswith("/" + layout.MANIFEST) for key, _ in found))
+        committed = bucket.committed_in(listing)
         keep = retention.kept(committed, keep_last, keep_every)
         newest = max(committed, default=None)
         now = time.time()
@@ -146,22 +145,18 @@ class BucketStore:
             if not partial and step in keep:
                 continue
             if partial and (step in busy or newest is None or step > newest
-                            or now - max(unix for _, unix in found) <= abandoned_after):
+                            or now - max(stored.unix for stored in found) <= abandoned_after):
                 continue
-            self.bucket.remove_step(job, [key for key, _ in found])
+            self.bucket.remove_step(job, [stored.key for stored in found])
             removed.append(step)
         return removed
 
     def set_aside(self, job: str, step: int, why: str) -> str | None:
-        keys = self.bucket.step_objects(job).get(step)
-        if not keys:
+        listing = self.bucket.step_listing(job)
+        if step not in listing:
             return None
-        try:
-            found = self.read_manifest(job, step)
-        except manifest.ManifestError:
-            return None
-        target = self.bucket.set_aside_step(job, found, time.time_ns(), keys, why)
-        newest = max(self.committed_steps(job), default=None)
+        target = self.bucket.set_aside_step(job, step, time.time_ns(), listing.pop(step), why)
+        newest = max(bucket.committed_in(listing), default=None)
         latest = self.bucket.location.key(job, layout.LATEST)
         if newest is None:
             self.bucket.delete([latest])
