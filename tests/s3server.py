@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.s3server import ADMIN, READER, TRAINER, S3Server
+from stowaway.storage import bucket, bucket_jobs
 
 __all__ = ["ADMIN", "READER", "TRAINER", "S3Server", "weed_binary"]
 
@@ -23,3 +24,9 @@ def weed_binary() -> Path:
         pytest.fail("$STOWAWAY_WEED is not set: tests/conftest.py builds weed before the first s3 test "
                     "(run hack/e2e/gobuild seaweedfs to see why it did not)")
     return Path(found)
+
+
+def bucket_steps(server: S3Server, url: str, retry_seconds: float = 60.0) -> list[int]:
+    """The committed steps of the job at ``url`` as the tools see them: the outcome a test waits for."""
+    jobs = bucket_jobs.jobs_at(url, bucket.Settings(endpoint=server.endpoint, retry_seconds=retry_seconds))
+    return jobs[0].committed_steps() if jobs else []

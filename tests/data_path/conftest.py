@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from s3server import S3Server
 
 from data_path.processes import RankProcess, SidecarProcess
 
@@ -60,3 +61,11 @@ def start_rank(short_tmp: Path) -> Iterator[Callable[..., RankProcess]]:
     for process in started:
         if process.process.poll() is None:
             process.kill()
+
+
+@pytest.fixture
+def bucket_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The trainer's credentials and the endpoint in the environment the sidecars and the CLI inherit."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server

@@ -204,6 +204,12 @@ def join_group(ranks: list[RankProcess], store: Path) -> None:
     assert collective(ranks, op="join_group", store=str(store)) == [{"joined": True}] * len(ranks)
 
 
+def stowaway_cli(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """The ``stowaway`` command as a user runs it, in the test's environment (its endpoint and credentials)."""
+    return subprocess.run([sys.executable, "-m", "stowaway", *args], capture_output=True, text=True, timeout=120,
+                          **kwargs)
+
+
 def local_job(storage: Path, job: str, processes: int, script: Path, *args: str) -> list[str]:
     """The command that runs ``script`` under torchrun next to a local sidecar, as the README shows."""
     return [sys.executable, "-m", "stowaway", "run", "--storage", str(storage), "--job", job, "--",

@@ -3,34 +3,20 @@ from their slots, committed in the bucket on one node and on two, restored from 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from s3server import S3Server
 
-from data_path.processes import collective, join_group, wait_for
+from data_path.processes import collective, join_group, stowaway_cli, wait_for
 from stowaway.storage import bucket, bucket_store, layout, manifest, step_store
 
 pytestmark = pytest.mark.s3
 
 
-@pytest.fixture
-def bucket_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    """The trainer's credentials and the endpoint in the environment the sidecars and the CLI inherit."""
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-    return s3_server
-
-
 def store_at(server: S3Server, url: str) -> bucket_store.BucketStore:
     return bucket_store.open_bucket(url, bucket.Settings(endpoint=server.endpoint))
 
-
-def stowaway(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "stowaway", *args], capture_output=True, text=True, timeout=120,
-                          check=False)
 
 
 def test_a_job_saves_commits_and_restores_through_the_bucket_alone(
@@ -60,7 +46,7 @@ def test_a_job_saves_commits_and_restores_through_the_bucket_alone(
     assert restored.wait(4).get("committed")
     restored.exit()
 
-    verified = stowaway("verify", f"{url}/job")
+    verified = stowaway_cli("verify", f"{url}/job")
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert verified.stdout.splitlines() == [f"step {step}: ok" for step in (2, 3, 4)]
 
@@ -145,19 +131,19 @@ def test_rollback_on_a_bucket_alone_sets_newer_steps_aside_and_the_job_resumes_f
     # A torn step 5 (its rank file, no manifest) goes aside with the committed ones.
     store.bucket.put(store.bucket.step_key("job", 5, layout.rank_file_name(0, 1)), b"torn")
 
-    refused = stowaway("rollback", f"{url}/job", "--to", "7")
+    refused = stowaway_cli("rollback", f"{url}/job", "--to", "7")
     assert refused.returncode != 0 and "step 7 is not committed" in refused.stderr, refused.stderr
     assert store.committed_steps("job") == [1, 2, 3, 4], "a refused rollback moves nothing"
 
-    done = stowaway("rollback", f"{url}/job", "--to", "2")
+    done = stowaway_cli("rollback", f"{url}/job", "--to", "2")
     assert done.returncode == 0, done.stdout + done.stderr
     assert store.committed_steps("job") == [1, 2]
     assert sorted(store.bucket.step_listing("job")) == [1, 2]
     assert store.bucket.read(store.bucket.location.key("job", layout.LATEST)) == b"2\n"
-    listed = stowaway("ls", f"{url}/job").stdout
+    listed = stowaway_cli("ls", f"{url}/job").stdout
     for step in (3, 4, 5):
         assert f"rolled-back-step-{step:012d}-" in listed, listed
-    verified = stowaway("verify", f"{url}/job")
+    verified = stowaway_cli("verify", f"{url}/job")
     assert verified.stdout.splitlines() == ["step 1: ok", "step 2: ok"], verified.stdout + verified.stderr
 
     resumed = start_sidecar("b", extra=["--bucket", url], claim=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 import obstore
 import pytest
 from faulty_proxy import FaultyProxy
-from s3server import ADMIN, READER, TRAINER, S3Server, weed_binary
+from s3server import ADMIN, READER, TRAINER, S3Server, bucket_steps, weed_binary
 
 from data_path.processes import wait_for
 from stowaway.storage import bucket, bucket_jobs, bucket_store, catalog
@@ -58,9 +58,9 @@ def failures(port: int) -> float:
     return sum(float(value) for value in re.findall(r"^stowaway_bucket_failures_total\{[^}]*\} (\S+)$", text, re.M))
 
 
-def bucket_steps(server: S3Server, url: str) -> list[int]:
-    jobs = bucket_jobs.jobs_at(url, bucket.Settings(endpoint=server.endpoint, retry_seconds=5))
-    return jobs[0].committed_steps() if jobs else []
+def steps_in(server: S3Server, url: str) -> list[int]:
+    """Committed steps, giving up on a server that is down after 5 s rather than the tools' minute."""
+    return bucket_steps(server, url, retry_seconds=5)
 
 
 def test_a_bucket_that_is_down_never_blocks_saves_and_gets_the_newest_step_once_back(
@@ -81,7 +81,7 @@ def test_a_bucket_that_is_down_never_blocks_saves_and_gets_the_newest_step_once_
     wait_for(lambda: metric(port, "stowaway_tier_newest_step", 'tier="bucket"') == 3, "step 3 in the bucket",
              timeout=120)
     # Only the newest step is uploaded: a bucket that was away does not replay what it missed.
-    assert bucket_steps(own_server, "s3://ckpt/p/job") == [3]
+    assert steps_in(own_server, "s3://ckpt/p/job") == [3]
     assert metric(port, "stowaway_bucket_uploaded_bytes_total") > 0
     assert catalog.committed_steps(storage / "job") == [1, 2, 3]
     rank.exit()
@@ -122,7 +122,7 @@ def test_a_full_bucket_keeps_its_steps_intact_saves_commit_and_the_newest_step_f
     rank = start_rank(sidecar)
     rank.save(1)
     assert rank.wait(1).get("committed")
-    wait_for(lambda: bucket_steps(own_server, "s3://ckpt/p/job") == [1], "step 1 in the bucket")
+    wait_for(lambda: steps_in(own_server, "s3://ckpt/p/job") == [1], "step 1 in the bucket")
 
     # Other data fills the bucket past a quota of 1 MB, and the server enforces it.
     filler = own_server.store("ckpt", ADMIN)
@@ -135,12 +135,12 @@ def test_a_full_bucket_keeps_its_steps_intact_saves_commit_and_the_newest_step_f
         rank.save(step)
         assert rank.wait(step, timeout=10).get("committed"), "a full bucket must not hold up the claim's commits"
     wait_for(lambda: failures(port) >= 2, "the refused uploads to be counted")
-    assert bucket_steps(own_server, "s3://ckpt/p/job") == [1], "nothing of a refused upload counts as committed"
+    assert steps_in(own_server, "s3://ckpt/p/job") == [1], "nothing of a refused upload counts as committed"
     job = bucket_jobs.jobs_at("s3://ckpt/p/job", bucket.Settings(endpoint=own_server.endpoint))[0]
     assert [job.verify_file(1, entry) for entry in job.read_manifest(1).files] == [None]
 
     own_server.enforce_quota("ckpt", None)
-    wait_for(lambda: bucket_steps(own_server, "s3://ckpt/p/job") == [1, 3], "the newest step once there is room",
+    wait_for(lambda: steps_in(own_server, "s3://ckpt/p/job") == [1, 3], "the newest step once there is room",
              log=sidecar.log)
     rank.exit()
     assert catalog.committed_steps(storage / "job") == [1, 2, 3]
@@ -155,7 +155,7 @@ def test_a_sidecar_killed_mid_upload_commits_nothing_torn_and_its_restart_upload
     rank = start_rank(sidecar)
     rank.save(1, numel=2_000_000)  # 16 MB: four parts
     assert rank.wait(1).get("committed")
-    wait_for(lambda: bucket_steps(own_server, "s3://ckpt/p/job") == [1], "step 1 in the bucket")
+    wait_for(lambda: steps_in(own_server, "s3://ckpt/p/job") == [1], "step 1 in the bucket")
 
     # Freeze the server, so that the next upload is certainly under way when the sidecar dies.
     os.killpg(own_server.process.pid, signal.SIGSTOP)
@@ -165,10 +165,10 @@ def test_a_sidecar_killed_mid_upload_commits_nothing_torn_and_its_restart_upload
     sidecar.kill()
     rank.kill()
     os.killpg(own_server.process.pid, signal.SIGCONT)
-    assert bucket_steps(own_server, "s3://ckpt/p/job") == [1], "a torn upload counts as committed"
+    assert steps_in(own_server, "s3://ckpt/p/job") == [1], "a torn upload counts as committed"
 
     sidecar.start()
-    wait_for(lambda: bucket_steps(own_server, "s3://ckpt/p/job") == [1, 2], "the restart to upload step 2",
+    wait_for(lambda: steps_in(own_server, "s3://ckpt/p/job") == [1, 2], "the restart to upload step 2",
              timeout=120)
     job = bucket_jobs.jobs_at("s3://ckpt/p/job", bucket.Settings(endpoint=own_server.endpoint))[0]
     for step in (1, 2):
@@ -190,7 +190,7 @@ def test_a_part_that_fails_is_retried_on_its_own_and_the_step_commits(
         rank.save(1, numel=2_000_000)  # 16 MB: four parts
         assert rank.wait(1).get("committed")
         url = f"s3://{s3_bucket}/p/job"
-        wait_for(lambda: bucket_steps(s3_server, url) == [1], "step 1 in the bucket", log=sidecar.log)
+        wait_for(lambda: steps_in(s3_server, url) == [1], "step 1 in the bucket", log=sidecar.log)
         rank.exit()
     assert len(proxy.failed) == 1 and "partNumber=3" in proxy.failed[0]
     part_puts = [line for line in proxy.forwarded if line.startswith("PUT") and "partNumber=" in line]
@@ -211,7 +211,7 @@ def test_on_several_nodes_only_the_one_hosting_rank_zero_uploads_and_resumes(
     for rank in ranks:
         rank.save(1)
     assert all(rank.wait(1)["committed"] for rank in ranks)
-    wait_for(lambda: bucket_steps(own_server, url) == [1], "step 1 in the bucket", log=nodes[0].log)
+    wait_for(lambda: steps_in(own_server, url) == [1], "step 1 in the bucket", log=nodes[0].log)
 
     own_server.stop()
     for rank in ranks:
@@ -225,7 +225,7 @@ def test_on_several_nodes_only_the_one_hosting_rank_zero_uploads_and_resumes(
     own_server.wait_serving("ckpt")
     for node in nodes:
         node.start()
-    wait_for(lambda: bucket_steps(own_server, url) == [1, 2], "the restarted node a to upload step 2",
+    wait_for(lambda: steps_in(own_server, url) == [1, 2], "the restarted node a to upload step 2",
              timeout=120, log=nodes[0].log)
     assert nodes[0].log().count("uploading step 2 of job multi") >= 1
     assert "uploading" not in nodes[1].log(), "node b uploaded although node a hosts rank 0"

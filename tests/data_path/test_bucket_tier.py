@@ -4,37 +4,18 @@ into an empty claim, and the tools on ``s3://`` URLs."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from s3server import S3Server
+from s3server import S3Server, bucket_steps
 
-from data_path.processes import SidecarProcess, wait_for
+from data_path.processes import SidecarProcess, stowaway_cli, wait_for
 from data_path.rank_driver import pattern
 from stowaway import read_checkpoint
-from stowaway.storage import bucket, bucket_jobs, catalog, layout
+from stowaway.storage import bucket, catalog, layout
 
 pytestmark = pytest.mark.s3
 
-
-def bucket_steps(server: S3Server, url: str) -> list[int]:
-    jobs = bucket_jobs.jobs_at(url, bucket.Settings(endpoint=server.endpoint))
-    return jobs[0].committed_steps() if jobs else []
-
-
-def stowaway(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "stowaway", *args], capture_output=True, text=True, timeout=120,
-                          check=False)
-
-
-@pytest.fixture
-def bucket_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    """The trainer's credentials and the endpoint in the environment the sidecars and the CLI inherit."""
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-    return s3_server
 
 
 def test_committed_steps_reach_the_bucket_which_keeps_its_own_retention(
@@ -52,13 +33,13 @@ def test_committed_steps_reach_the_bucket_which_keeps_its_own_retention(
     wait_for(lambda: bucket_steps(bucket_env, f"{url}/job") == [0, 4, 8, 9], "the bucket to keep 0, 4, 8 and 9")
     wait_for(lambda: catalog.committed_steps(storage / "job") == [8, 9], "the claim to keep 8 and 9")
 
-    listed = stowaway("ls", url)
+    listed = stowaway_cli("ls", url)
     assert listed.returncode == 0, listed.stderr
     assert [line.split()[0] for line in listed.stdout.splitlines()[2:]] == ["0", "4", "8", "9"], listed.stdout
-    verified = stowaway("verify", f"{url}/job")
+    verified = stowaway_cli("verify", f"{url}/job")
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert verified.stdout.splitlines() == [f"step {step}: ok" for step in (0, 4, 8, 9)]
-    inspected = stowaway("inspect", f"{url}/job", "--step", "9")
+    inspected = stowaway_cli("inspect", f"{url}/job", "--step", "9")
     assert inspected.returncode == 0, inspected.stderr
     assert "job job step 9: 1 rank(s)" in inspected.stdout
     assert "rank 0: rank-00000-of-00001.safetensors" in inspected.stdout
@@ -105,7 +86,7 @@ def rolled_back_to_5(bucket_env: S3Server, url: str, start_sidecar, start_rank, 
     rank.exit()
     sidecar.stop()
 
-    rolled = stowaway("rollback", str(claim / "job"), "--to", "5")
+    rolled = stowaway_cli("rollback", str(claim / "job"), "--to", "5")
     assert rolled.returncode == 0, rolled.stderr
     sidecar.start()
     wait_for(lambda: bucket_steps(bucket_env, f"{url}/job") == [3, 5], "step 7 to leave the bucket's step names",
@@ -117,7 +98,7 @@ def test_a_rollback_on_the_claim_sets_the_bucket_copies_aside_so_no_cluster_rest
         bucket_env: S3Server, s3_bucket: str, start_sidecar, start_rank, short_tmp: Path) -> None:
     url = f"s3://{s3_bucket}/ckpt"
     sidecar = rolled_back_to_5(bucket_env, url, start_sidecar, start_rank, short_tmp / "claim-a")
-    listed = stowaway("ls", f"{url}/job")
+    listed = stowaway_cli("ls", f"{url}/job")
     assert listed.returncode == 0, listed.stderr
     assert f"set aside (kept for inspection; delete it when done): {url}/job/rolled-back-step-000000000007-" \
         in listed.stdout, listed.stdout

@@ -8,17 +8,13 @@ import sys
 import pytest
 import torch
 
+from data_path.processes import stowaway_cli
 from stowaway import Checkpointer
-
-
-def stowaway(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "stowaway", *args], capture_output=True, text=True, timeout=120,
-                          **kwargs)
 
 
 @pytest.mark.parametrize("command", [[], ["sidecar"], ["run"], ["ls"], ["verify"], ["inspect"], ["rollback"]])
 def test_every_command_has_help(command):
-    result = stowaway(*command, "--help")
+    result = stowaway_cli(*command, "--help")
     assert result.returncode == 0
     assert "usage: stowaway" in result.stdout
 
@@ -33,7 +29,7 @@ def saved(start_sidecar, storage):
 
 
 def test_ls_lists_committed_steps_with_ranks_and_sizes(saved):
-    result = stowaway("ls", str(saved))
+    result = stowaway_cli("ls", str(saved))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("job cli")
@@ -43,7 +39,7 @@ def test_ls_lists_committed_steps_with_ranks_and_sizes(saved):
 
 
 def test_inspect_shows_tensors_dtypes_and_shapes_per_rank(saved):
-    result = stowaway("inspect", str(saved / "cli"), "--step", "20")
+    result = stowaway_cli("inspect", str(saved / "cli"), "--step", "20")
     assert result.returncode == 0, result.stderr
     assert "rank 0: rank-00000-of-00001.safetensors" in result.stdout
     assert any(line.split()[:3] == ["layer.weight", "BF16", "3x4"] for line in result.stdout.splitlines())
@@ -65,7 +61,7 @@ def test_inspect_shows_each_dtensor_shard_with_its_global_shape_placements_and_m
             ckpt.save(1, state).wait(30)
     finally:
         dist.destroy_process_group()
-    result = stowaway("inspect", str(storage / "sharded"), "--step", "1")
+    result = stowaway_cli("inspect", str(storage / "sharded"), "--step", "1")
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("  ")}
     assert rows["w"].split()[:3] == ["w", "F32", "3x4"]
@@ -84,7 +80,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(saved):
 
 
 def test_verify_passes_an_intact_checkpoint(saved):
-    result = stowaway("verify", str(saved))
+    result = stowaway_cli("verify", str(saved))
     assert result.returncode == 0
     assert result.stdout.splitlines() == ["step 10: ok", "step 20: ok"]
 
@@ -100,14 +96,14 @@ def test_verify_passes_an_intact_checkpoint(saved):
     ],
 )
 def test_errors_are_one_line_that_says_what_to_do(args, message):
-    result = stowaway(*args)
+    result = stowaway_cli(*args)
     assert result.returncode == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_run_exits_with_the_commands_status_and_shows_the_checkpoints(short_tmp):
-    result = stowaway("run", "--storage", str(short_tmp / "st"), "--", sys.executable, "-c",
+    result = stowaway_cli("run", "--storage", str(short_tmp / "st"), "--", sys.executable, "-c",
                       "import os, sys; assert os.environ['STOWAWAY_SOCKET']; sys.exit(3)")
     assert result.returncode == 3, result.stderr
     assert "(no committed checkpoint)" in result.stderr

@@ -8,10 +8,7 @@ committed, and after a crash ``load()`` restored the old run's state.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from data_path.processes import wait_for
+from data_path.processes import stowaway_cli, wait_for
 from stowaway.storage import catalog, layout, rollbacks
 
 
@@ -57,12 +54,12 @@ def test_rollback_sets_the_newer_steps_aside_so_the_job_resumes_from_the_older_o
     job = storage / "spike"
     files_of_3 = {path.name: path.read_bytes() for path in layout.step_dir(job, 3).iterdir()}
 
-    unknown = cli("rollback", str(job), "--to", "7")
+    unknown = stowaway_cli("rollback", str(job), "--to", "7")
     assert unknown.returncode == 2
     assert "step 7 is not committed in" in unknown.stderr and "nothing was set aside" in unknown.stderr
     assert catalog.committed_steps(job) == [1, 2, 3]
 
-    done = cli("rollback", str(job), "--to", "1")
+    done = stowaway_cli("rollback", str(job), "--to", "1")
     assert done.returncode == 0, done.stderr
     assert "step 1 is now the newest committed step" in done.stdout
     assert catalog.committed_steps(job) == [1]
@@ -76,8 +73,5 @@ def test_rollback_sets_the_newer_steps_aside_so_the_job_resumes_from_the_older_o
     assert again.call(op="load") == {"step": 1, "intact": True, "numel": 1024}
     again.save(2)
     assert again.wait(2)["committed"], "the job saves the steps after the one it went back to"
-    assert str(aside[3]) in cli("ls", str(job)).stdout
+    assert str(aside[3]) in stowaway_cli("ls", str(job)).stdout
 
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "stowaway", *args], capture_output=True, text=True, timeout=120)
