@@ -24,11 +24,22 @@ sidecar, from the old ranks' slots in shared memory (``load`` into new
 tensors and ``into`` the state's own), against the copy-out reference: a
 ``pread`` of the rank's share of the saved bytes from the slot files into a
 resident buffer.
+
+With ``--bucket`` (``local``: a SeaweedFS started here for the run, as
+``bench.bucket`` does), last a bucket alone, without a claim: a job of
+``--saved`` ranks saves next to a sidecar with only ``--bucket``, and a job
+of each ``--onto`` count restores next to a new one (a new pod: nothing in
+shared memory), the sidecar staging the ranges each rank reads into its
+slots, against the download reference: obstore's ``get`` of as many bytes
+as the rank's restore staged, streamed into a resident buffer (whole
+objects, the rank's number picking the first). The job's objects are
+deleted afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -38,14 +49,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench import bucket, system, worker
 from bench import state as state_mod
-from bench import system, worker
 from stowaway.cli import run_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +128,8 @@ def run_worker(args: argparse.Namespace) -> None:
     with Checkpointer(timeout=1800) as ckpt:
         if args.worker == "load_memory":
             measure_from_memory(args, ckpt, training, mesh, timed)
+        elif args.worker == "load_bucket":
+            measure_from_bucket(args, ckpt, training, mesh, timed, rank)
         elif args.worker == "save":
             ckpt.save(1, training).wait()
             dcp.save(training, checkpoint_id=dcp_dir)
@@ -131,6 +144,17 @@ def run_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def timed_load(ckpt: Any, mesh: Any, timed: Callable[[str, Callable[[], Any]], Any], source: str) -> Any:
+    """``load()`` into new tensors, timed as ``stowaway.load``; its ``last_restore``, of step 1 from ``source``."""
+    system.release_free_heap()
+    restored = timed("stowaway.load", lambda: ckpt.load(device_mesh=mesh))
+    assert restored is not None and restored[0] == 1, restored
+    del restored
+    restore = ckpt.last_restore
+    assert restore is not None and restore.source == source, restore
+    return restore
+
+
 def measure_from_storage(args: argparse.Namespace, ckpt: Any, training: Any, mesh: Any,
                          timed: Callable[[str, Callable[[], Any]], Any], dropped_from_cache: Callable[[], None],
                          rank: int) -> None:
@@ -141,12 +165,8 @@ def measure_from_storage(args: argparse.Namespace, ckpt: Any, training: Any, mes
     buffer = mmap.mmap(-1, CHUNK_BYTES)
     for _ in range(args.reps):
         dropped_from_cache()
-        system.release_free_heap()
-        restored = timed("stowaway.load", lambda: ckpt.load(device_mesh=mesh))
-        assert restored is not None and restored[0] == 1, restored
-        del restored
-        restore = ckpt.last_restore
-        assert restore is not None and restore.saved_by == args.saved and restore.bytes_read > 0, restore
+        restore = timed_load(ckpt, mesh, timed, "storage")
+        assert restore.saved_by == args.saved and restore.bytes_read > 0, restore
         dropped_from_cache()
         timed("stowaway.load_into", lambda: ckpt.load(into=training))
         dropped_from_cache()
@@ -165,14 +185,44 @@ def measure_from_memory(args: argparse.Namespace, ckpt: Any, training: Any, mesh
     share = sum(path.stat().st_size for path in slots) // 2 // dist.get_world_size()
     buffer = mmap.mmap(-1, share)
     for _ in range(args.reps):
-        system.release_free_heap()
-        restored = timed("stowaway.load", lambda: ckpt.load(device_mesh=mesh))
-        assert restored is not None and restored[0] == 1, restored
-        del restored
-        restore = ckpt.last_restore
-        assert restore is not None and restore.source == "memory" and restore.bytes_read == 0, restore
+        restore = timed_load(ckpt, mesh, timed, "memory")
+        assert restore.bytes_read == 0, restore
         timed("stowaway.load_into", lambda: ckpt.load(into=training))
         timed("reference.copy_out", lambda: copy_out(slots, share, buffer))
+
+
+def measure_from_bucket(args: argparse.Namespace, ckpt: Any, training: Any, mesh: Any,
+                        timed: Callable[[str, Callable[[], Any]], Any], rank: int) -> None:
+    """Restores from a bucket alone on a new pod, and the plain download of as many bytes."""
+    from stowaway.storage import bucket
+
+    location = bucket.Location.parse(args.bucket_url)
+    store = bucket.open_store(location, bucket.Settings())
+    objects = sorted(bucket.Bucket(location, bucket.Settings()).keys_below(location.key(JOB) + "/"))
+    objects = [key for key in objects if key.rsplit("/", 1)[-1].startswith("rank-")]
+    buffer = mmap.mmap(-1, CHUNK_BYTES)
+    for _ in range(args.reps):
+        restore = timed_load(ckpt, mesh, timed, "storage")
+        assert restore.bytes_read > 0, restore
+        timed("stowaway.load_into", lambda: ckpt.load(into=training))
+        timed("reference.download",
+              lambda nbytes=restore.bytes_read: download_reference(store, objects, nbytes, rank, buffer))
+
+
+def download_reference(store: Any, objects: list[str], nbytes: int, first: int, buffer: mmap.mmap) -> None:
+    """``nbytes`` of the objects, streamed with obstore's ``get`` into ``buffer``, from object ``first`` on."""
+    import obstore
+
+    view, left, index = memoryview(buffer), nbytes, first % len(objects)
+    while left > 0:
+        for chunk in obstore.get(store, objects[index]).stream():
+            for begin in range(0, min(len(chunk), left), len(view)):
+                part = memoryview(chunk)[begin : min(len(chunk), left, begin + len(view))]
+                view[: len(part)] = part
+            left -= min(len(chunk), left)
+            if left == 0:
+                break
+        index = (index + 1) % len(objects)
 
 
 def copy_out(slots: list[Path], nbytes: int, buffer: mmap.mmap) -> None:
@@ -194,11 +244,12 @@ def copy_out(slots: list[Path], nbytes: int, buffer: mmap.mmap) -> None:
 
 
 def worker_command(ranks: int, mode: str, total: int, saved: int, reps: int, storage: Path, out: Path,
-                   shm_dir: Path | None = None) -> list[str]:
+                   shm_dir: Path | None = None, url: str | None = None) -> list[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "bench.reshard", "--worker", mode, "--total", str(total), "--saved", str(saved),
                "--reps", str(reps), "--storage", str(storage), "--out", str(out)]
-    return command + (["--shm-dir", str(shm_dir)] if shm_dir is not None else [])
+    return (command + (["--shm-dir", str(shm_dir)] if shm_dir is not None else [])
+            + (["--bucket-url", url] if url is not None else []))
 
 
 def run(command: list[str], ranks: int, **env: str) -> None:
@@ -214,17 +265,28 @@ def job(storage: Path, ranks: int, mode: str, total: int, saved: int, reps: int,
          *worker_command(ranks, mode, total, saved, reps, storage, out)], ranks)
 
 
-def same_pod(storage: Path, total: int, args: argparse.Namespace, workdir: Path) -> None:
-    """Save, then restore on each ``--onto`` count, next to one sidecar that outlives the jobs (a restart on the
-    same pod): the restores read the old ranks' slots."""
+@contextlib.contextmanager
+def pod(storage: str | Path, workdir: Path) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A sidecar of a pod of its own on ``storage`` (a directory, or a bucket's URL alone), for jobs started
+    beside it: its shared-memory directory and the environment that points a job at it."""
     shm_dir = Path(tempfile.mkdtemp(prefix="stwr-", dir="/dev/shm"))
-    socket_path = workdir / "pod.sock"
+    socket_path = Path(tempfile.mkdtemp(prefix="stwr-", dir=workdir)) / "pod.sock"
+    where = ["--bucket", storage] if isinstance(storage, str) else ["--storage", str(storage)]
     sidecar = subprocess.Popen(
-        [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(storage), "--socket", str(socket_path),
+        [sys.executable, "-m", "stowaway", "sidecar", *where, "--socket", str(socket_path),
          "--shm-dir", str(shm_dir), "--log-level", "WARNING"], start_new_session=True)
     try:
         run_cmd.wait_for_socket(sidecar, socket_path)
-        beside = {"STOWAWAY_SOCKET": str(socket_path), "STOWAWAY_JOB": JOB}
+        yield shm_dir, {"STOWAWAY_SOCKET": str(socket_path), "STOWAWAY_JOB": JOB}
+    finally:
+        run_cmd.stop_sidecar(sidecar, 60)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def same_pod(storage: Path, total: int, args: argparse.Namespace, workdir: Path) -> None:
+    """Save, then restore on each ``--onto`` count, next to one sidecar that outlives the jobs (a restart on the
+    same pod): the restores read the old ranks' slots."""
+    with pod(storage, workdir) as (shm_dir, beside):
         run(worker_command(args.saved, "save", total, args.saved, args.reps, storage, workdir / "pod-save.json"),
             args.saved, **beside)
         for ranks in (int(count) for count in args.onto.split(",")):
@@ -234,9 +296,30 @@ def same_pod(storage: Path, total: int, args: argparse.Namespace, workdir: Path)
             report(f"{args.mib} MiB saved on {args.saved} ranks, restored on {ranks} from shared memory:", out, (
                 ("into the state / copy-out reference", "stowaway.load_into", "reference.copy_out"),
                 ("into new tensors / copy-out reference", "stowaway.load", "reference.copy_out")))
+
+
+def bucket_alone(url: str, scratch: Path, total: int, args: argparse.Namespace, workdir: Path) -> None:
+    """Save next to a sidecar with a bucket alone, then restore on each ``--onto`` count on a new pod; the job's
+    objects are deleted afterwards."""
+    from stowaway.storage import bucket as bucket_mod
+
+    try:
+        with pod(url, workdir) as (_, beside):
+            run(worker_command(args.saved, "save", total, args.saved, args.reps, scratch,
+                               workdir / "bucket-save.json"), args.saved, **beside)
+        for ranks in (int(count) for count in args.onto.split(",")):
+            out = workdir / f"bucket-onto-{ranks}.json"
+            with pod(url, workdir) as (_, beside):
+                run(worker_command(ranks, "load_bucket", total, args.saved, args.reps, scratch, out, url=url),
+                    ranks, **beside)
+            report(f"{args.mib} MiB saved on {args.saved} ranks in a bucket alone, restored on {ranks} on a new "
+                   "pod:", out, (("into the state / download reference", "stowaway.load_into", "reference.download"),
+                                 ("into new tensors / download reference", "stowaway.load", "reference.download")))
     finally:
-        run_cmd.stop_sidecar(sidecar, 60)
-        shutil.rmtree(shm_dir, ignore_errors=True)
+        target = bucket_mod.Bucket(bucket_mod.Location.parse(url), bucket_mod.Settings())
+        left = target.keys_below(target.location.key(JOB) + "/")
+        if left:
+            target.delete(left)
 
 
 def report(title: str, out: Path, ratios: tuple[tuple[str, str, str], ...]) -> None:
@@ -255,7 +338,11 @@ def main() -> None:
     parser.add_argument("--onto", default="2,6", help="rank counts of the jobs that restore, comma-separated")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--storage", type=Path, default=None, help="a directory on the disk to measure (emptied)")
-    parser.add_argument("--worker", choices=("save", "load", "load_memory"), help=argparse.SUPPRESS)
+    parser.add_argument("--bucket", default=None, metavar="s3://BUCKET/PREFIX|local",
+                        help="also restore from a bucket alone on a new pod: a bucket reached through the AWS_* "
+                             "variables, or 'local' for a SeaweedFS started here")
+    parser.add_argument("--worker", choices=("save", "load", "load_memory", "load_bucket"), help=argparse.SUPPRESS)
+    parser.add_argument("--bucket-url", help=argparse.SUPPRESS)
     parser.add_argument("--total", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--shm-dir", help=argparse.SUPPRESS)
@@ -276,6 +363,9 @@ def main() -> None:
                 ("into the state / DCP load", "stowaway.load_into", "dcp.load"),
                 ("into new tensors / DCP load", "stowaway.load", "dcp.load")))
         same_pod(storage / "same-pod", total, args, workdir)
+        if args.bucket is not None:
+            with bucket.reachable(args.bucket) as url:
+                bucket_alone(url, storage / "bucket", total, args, workdir)
     finally:
         shutil.rmtree(storage, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""The sidecar passes read-only descriptors of a committed step's files to a rank that asks (``open``).
+"""The sidecar passes read-only descriptors of a committed step's files to a rank that asks (``open``), or stages
+ranges of them into the rank's slot (``stage`` with a span) where its storage passes no files.
 
 The storage is mounted only into the sidecar; a rank resharding a step reads
 other ranks' files through these. Checked on a raw connection, as the
@@ -17,6 +18,7 @@ import pytest
 
 from data_path.test_world_size_change import saved_and_committed
 from stowaway.protocol import frames, messages
+from stowaway.slots import naming, shm
 from stowaway.storage import layout
 
 HELLO = {"type": "hello", "protocol": messages.PROTOCOL_VERSION, "job": "opened", "rank": 0, "local_rank": 0,
@@ -102,4 +104,44 @@ def test_descriptors_keep_their_frame_when_the_socket_is_full_of_earlier_answers
         assert kinds == ["inventory"] * 4000 + ["opened"] + ["inventory"] * 5
         assert len(raw.fds) == 3 and os.pread(raw.fds[2], 8, 0) == os.pread(raw.fds[1], 8, 0)
     finally:
+        raw.close()
+
+
+def test_a_ranged_stage_puts_those_bytes_of_another_ranks_file_in_the_slot_and_publishes_no_step(
+        start_sidecar, start_rank, storage):
+    sidecar = start_sidecar()
+    two = [start_rank(sidecar, job="opened", rank=rank, world_size=2) for rank in range(2)]
+    saved_and_committed(two, 1)
+    stored = (layout.step_dir(storage / "opened", 1) / layout.rank_file_name(1, 2)).read_bytes()
+    raw = RawRank(sidecar.socket)
+    slot = None
+    try:
+        raw.sock.sendall(frames.encode(HELLO))
+        welcome = raw.next()
+        slot = shm.SlotFile.create(naming.slot_path(welcome["shm_dir"], "opened", 0, 7), 4096)
+        raw.sock.sendall(frames.encode({"type": "register", "slot": 7, "capacity": slot.capacity}))
+        assert raw.next() == {"type": "registered", "slot": 7}
+        before = slot.read_header().generation
+
+        raw.sock.sendall(frames.encode({"type": "stage", "step": 1, "slot": 7, "rank": 1, "begin": 100, "nbytes": 200}))
+        staged = raw.next()
+        assert staged == {"type": "staged", "step": 1, "slot": 7, "generation": staged["generation"], "nbytes": 200}
+        assert staged["generation"] > before
+        assert bytes(slot.payload(200)) == stored[100:300]
+        published = slot.read_header()
+        assert not published.complete and published.generation == staged["generation"], \
+            "a range is no step in memory: nothing may take the slot for one"
+
+        for begin, nbytes in ((len(stored) - 10, 200), (0, slot.capacity + 1)):
+            raw.sock.sendall(frames.encode({"type": "stage", "step": 1, "slot": 7, "rank": 1, "begin": begin,
+                                            "nbytes": nbytes}))
+            failed = raw.next()
+            assert failed["type"] == "failed" and failed["slot"] == 7, failed
+            assert "do not fit in slot" in failed["reason"] and "or lie outside the file" in failed["reason"], failed
+        assert raw.fds == [], "a staged range passes no descriptor"
+        assert slot.read_header().generation == staged["generation"], \
+            "a refused range leaves the slot as it was"
+    finally:
+        if slot is not None:
+            slot.close()
         raw.close()

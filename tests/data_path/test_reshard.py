@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from s3server import S3Server, bucket_steps
 
-from data_path.processes import SidecarProcess, local_job
+from data_path.processes import SidecarProcess, local_job, wait_for
 from stowaway.slots import header
-from stowaway.storage import layout
+from stowaway.storage import bucket, bucket_store, catalog, layout
 
 WORKER = Path(__file__).with_name("reshard_worker.py")
 
@@ -28,10 +29,10 @@ def job(storage: Path, ranks: int, mode: str, out: Path, shape: str = "fsdp", st
     return finished(local_job(storage, "elastic", ranks, WORKER, mode, str(out), shape, str(step)), ranks, mode, out)
 
 
-def torchrun_beside(sidecar: SidecarProcess, ranks: int, mode: str, out: Path) -> list[dict]:
+def torchrun_beside(sidecar: SidecarProcess, ranks: int, mode: str, out: Path, step: int = 2) -> list[dict]:
     """A job next to a sidecar that outlives it: a restart on the same pod, its slots still in shared memory."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-               str(WORKER), mode, str(out), "fsdp", "2"]
+               str(WORKER), mode, str(out), "fsdp", str(step)]
     return finished(command, ranks, mode, out, STOWAWAY_SOCKET=str(sidecar.socket), STOWAWAY_JOB="elastic")
 
 
@@ -191,3 +192,55 @@ def test_a_job_that_loses_a_rank_resumes_on_fewer_ranks_from_its_newest_committe
     committed = sorted(layout.step_of(path) for path in (storage / "elastic").glob("step-*")
                        if (path / layout.MANIFEST).exists())
     assert committed[-1] == 5, committed
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(900)
+def test_a_new_cluster_with_an_empty_claim_reshards_the_step_its_bucket_tier_holds(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, short_tmp: Path) -> None:
+    url = f"s3://{s3_bucket}/ckpt"
+    first = start_sidecar("a", extra=["--bucket", url])
+    torchrun_beside(first, 4, "save", short_tmp / "saved")
+    saved = torch.load(short_tmp / "saved" / "save.pt")
+    wait_for(lambda: 2 in bucket_steps(bucket_env, f"{url}/elastic"), "step 2 in the bucket", log=first.log)
+    first.stop()
+
+    empty = short_tmp / "empty"
+    second = start_sidecar("b", extra=["--bucket", url], storage_dir=empty)
+    restores = torchrun_beside(second, 2, "load", short_tmp / "on2")
+    assert_identical(saved, torch.load(short_tmp / "on2" / "load.pt"))
+    assert [(restore["saved_by"], restore["source"]) for restore in restores] == [(4, "storage")] * 2
+    assert 2 in catalog.committed_steps(empty / "elastic"), "the step came onto the new claim from the bucket"
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(900)
+def test_a_bucket_alone_reshards_from_the_old_ranks_slots_or_a_new_pod_from_ranges_staged_into_its_own(
+        bucket_env: S3Server, s3_bucket: str, start_sidecar, short_tmp: Path) -> None:
+    url = f"s3://{s3_bucket}/alone"
+    sidecar = start_sidecar("a", extra=["--bucket", url], claim=False)
+    torchrun_beside(sidecar, 4, "save", short_tmp / "saved")
+    saved = torch.load(short_tmp / "saved" / "save.pt")
+    restores = torchrun_beside(sidecar, 2, "load", short_tmp / "on2")
+    assert_identical(saved, torch.load(short_tmp / "on2" / "load.pt"))
+    assert restores == [{"saved_by": 4, "bytes_read": 0, "source": "memory"}] * 2
+
+    # A new pod: nothing in shared memory, and no claim whose files the sidecar could pass.
+    store = bucket_store.open_bucket(url, bucket.Settings(endpoint=bucket_env.endpoint))
+    stored = sum(entry.bytes for entry in store.read_manifest("elastic", 2).files)
+    elsewhere = start_sidecar("b", extra=["--bucket", url], claim=False)
+    for ranks, mode in ((2, "load"), (3, "load_into")):
+        out = short_tmp / f"new{ranks}"
+        restores = torchrun_beside(elsewhere, ranks, mode, out)
+        assert_identical(saved, torch.load(out / f"{mode}.pt"))
+        assert [(restore["saved_by"], restore["source"]) for restore in restores] == [(4, "storage")] * ranks
+        assert all(0 < restore["bytes_read"] <= stored for restore in restores), (restores, stored)
+
+    # A saved rank's object changed in the bucket: every new rank falls back to step 1 together.
+    key = store.bucket.step_key("elastic", 2, layout.rank_file_name(3, 4))
+    data = bytearray(store.bucket.read(key))
+    data[-1] ^= 0x01
+    store.bucket.put(key, bytes(data))
+    restores = torchrun_beside(start_sidecar("c", extra=["--bucket", url], claim=False), 2, "load",
+                               short_tmp / "corrupt", step=1)
+    assert [restore["saved_by"] for restore in restores] == [4, 4]

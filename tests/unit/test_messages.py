@@ -202,3 +202,17 @@ def test_an_open_from_memory_takes_a_boolean_and_its_answer_one_offset_per_rank(
     with pytest.raises(messages.MessageError, match=r"opened gives 1 payload offsets for 2 ranks"):
         messages.decode({"type": "opened", "step": 1, "ranks": [0, 1], "reason": None, "payload_offsets": [0]},
                         TO_CLIENT)
+
+
+def test_a_stage_of_a_range_names_rank_begin_and_size_together_and_a_plain_stage_still_decodes():
+    plain = messages.decode({"type": "stage", "step": 3, "slot": 1}, TO_SIDECAR)
+    assert isinstance(plain, messages.Stage) and plain.span is None
+    assert messages.encode(plain) == {"type": "stage", "step": 3, "slot": 1}, "an older sidecar reads the same frame"
+    ranged = messages.decode({"type": "stage", "step": 3, "slot": 1, "rank": 5, "begin": 64, "nbytes": 8}, TO_SIDECAR)
+    assert isinstance(ranged, messages.Stage) and ranged.span == (5, 64, 8)
+    with pytest.raises(messages.MessageError, match=r"stage of a range needs rank, begin and nbytes together"):
+        messages.decode({"type": "stage", "step": 3, "slot": 1, "rank": 5, "begin": 64}, TO_SIDECAR)
+    with pytest.raises(messages.MessageError, match=r"stage names rank -1"):
+        messages.decode({"type": "stage", "step": 3, "slot": 1, "rank": -1, "begin": 0, "nbytes": 8}, TO_SIDECAR)
+    with pytest.raises(messages.MessageError, match=r"stage.begin must be between 0"):
+        messages.decode({"type": "stage", "step": 3, "slot": 1, "rank": 0, "begin": -4, "nbytes": 8}, TO_SIDECAR)

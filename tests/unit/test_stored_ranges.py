@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stowaway.client.stored_files import ReadCounter, StoredFile
+from stowaway.client.stored_files import Descriptor, ReadCounter, StoredFile
 from stowaway.errors import CheckpointCorrupt
 from stowaway.storage import checksum, manifest
 
@@ -27,7 +27,7 @@ def opened(tmp_path: Path, data: bytes, pieces: bool = True) -> tuple[StoredFile
     found = checksum.pieces_of(memoryview(data), len(data)) if pieces else None
     entry = manifest.FileEntry.written(0, path.name, len(data), checksum.of_bytes(data), found)
     counter = ReadCounter()
-    return StoredFile(os.open(path, os.O_RDONLY), entry, path, counter), counter, path
+    return StoredFile(Descriptor(os.open(path, os.O_RDONLY)), entry, path, counter), counter, path
 
 
 def test_pieces_split_the_header_from_the_data_and_stay_few_for_large_files():

@@ -144,11 +144,14 @@ class RankSlots:
         self._spares.prepare(request.nbytes)
         return True
 
-    def stage(self, slot: ClientSlot, step: int) -> messages.ToClient:
-        """Hand the taken ``slot`` to the sidecar to fill with ``step`` from storage; its ``staged`` or ``failed``."""
+    def stage(self, slot: ClientSlot, step: int, span: tuple[int, int, int] | None = None) -> messages.ToClient:
+        """Hand the taken ``slot`` to the sidecar to fill with ``step`` from storage (or with ``span``: bytes
+        ``begin``.. ``begin + nbytes`` of saved rank ``rank``'s file); its ``staged`` or ``failed``."""
         with self._lock:
             self._ledger.staging(slot.index, step)
-        return self._link.request(("stage", slot.index), messages.Stage(step=step, slot=slot.index))
+        rank, begin, nbytes = span if span is not None else (None, None, None)
+        return self._link.request(("stage", slot.index), messages.Stage(step=step, slot=slot.index, rank=rank,
+                                                                        begin=begin, nbytes=nbytes))
 
     def reserve(self, nbytes: int, wait: bool) -> None:
         """Allocate every slot for ``nbytes`` in the background; raise at once when shared memory is too small.

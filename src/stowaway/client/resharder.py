@@ -2,7 +2,9 @@
 
 In order: the sidecar opens the step's manifest and every saved rank's file
 (or the slot that still holds it, on a restart in the same pod) and passes
-the descriptors (``Link.open_files``); the rank reads and checks
+the descriptors (``Link.open_files``), or, where its storage is a bucket
+alone, stages the ranges the rank reads into the rank's own slots
+(``staged_ranges``); the rank reads and checks
 each file's header (its state tree and tensor offsets); it applies the rule
 for what is not sharded; it plans, per DTensor, the regions of saved shards
 its new shard is made of (``format.reshard``); it reads exactly those byte
@@ -36,7 +38,9 @@ import numpy as np
 import torch
 
 from stowaway.client.link import Link
-from stowaway.client.stored_files import ReadCounter, StoredFile, read_manifest
+from stowaway.client.rank_slots import RankSlots
+from stowaway.client.staged_ranges import SlotWindows
+from stowaway.client.stored_files import Descriptor, ReadCounter, StoredFile, read_manifest
 from stowaway.errors import CheckpointCorrupt, SaveFailed, UnsupportedState, WorldSizeChanged
 from stowaway.format import dtensors, dtypes, full_tensors, in_place, nodes, reshard
 from stowaway.format import safetensors_header as st
@@ -50,31 +54,44 @@ log = logging.getLogger("stowaway")
 
 
 class Resharder:
-    def __init__(self, job: str, rank: int, world_size: int, allow_pickle: bool, link: Link) -> None:
+    def __init__(self, job: str, rank: int, world_size: int, allow_pickle: bool, link: Link,
+                 slots: RankSlots) -> None:
         self._job, self._rank, self._world_size = job, rank, world_size
         self._allow_pickle = allow_pickle
         self._link = link
+        self._slots = slots
 
-    def load(self, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any) -> tuple[Any, int, bool]:
+    def load(self, step: int, map_location: Any, meshes: tuple[Any, ...], into: Any,
+             files_passed: bool) -> tuple[Any, int, bool]:
         """The state of ``step`` resharded onto this rank, the bytes it read from storage, and whether every
         saved rank's file came from a slot in shared memory rather than from storage.
 
         Slots the sidecar still holds are read first; where one does not
         match the manifest (a slot rewritten since, say), the whole step is
-        read again from storage, ``into``'s tensors included.
+        read again from storage, ``into``'s tensors included. Where the
+        sidecar passes no stored files (``files_passed`` false: a bucket
+        alone), it also answers no mix of slots and files: unless every
+        saved rank's slot is there, the ranges are staged from the bucket.
         """
         stored = ReadCounter()
-        files = self._open(step, stored, from_memory=True)
-        in_memory = [file.base > 0 for file in files.values()]
         try:
-            return self._read(step, files, map_location, meshes, into), stored.bytes, all(in_memory)
-        except (CheckpointCorrupt, st.HeaderError) as exc:
-            if not any(in_memory):
+            files = self._open(step, stored, from_memory=True)
+        except SaveFailed as exc:
+            if files_passed:
                 raise
-            log.warning("rank %d: step %d in shared memory does not match its manifest (%s); reading it from "
-                        "storage", self._rank, step, exc)
+            log.info("rank %d: step %d is not whole in shared memory (%s); staging its ranges from the bucket",
+                     self._rank, step, exc)
+        else:
+            in_memory = [isinstance(file.source, Descriptor) and file.source.base > 0 for file in files.values()]
+            try:
+                return self._read(step, files, map_location, meshes, into), stored.bytes, all(in_memory)
+            except (CheckpointCorrupt, st.HeaderError) as exc:
+                if not any(in_memory):
+                    raise
+                log.warning("rank %d: step %d in shared memory does not match its manifest (%s); reading it from "
+                            "storage", self._rank, step, exc)
         stored = ReadCounter()
-        files = self._open(step, stored, from_memory=False)
+        files = self._open(step, stored, from_memory=False) if files_passed else self._staged(step, stored)
         return self._read(step, files, map_location, meshes, into), stored.bytes, False
 
     def _read(self, step: int, files: dict[int, StoredFile], map_location: Any, meshes: tuple[Any, ...],
@@ -86,19 +103,25 @@ class Resharder:
             for file in files.values():
                 file.close()
 
-    def _open(self, step: int, stored: ReadCounter, from_memory: bool) -> dict[int, StoredFile]:
-        """The saved ranks' files of ``step``, or the slots still holding them; reads of files count in ``stored``."""
-        where = Path(f"step {step} of job {self._job}")
+    def _manifest(self, step: int) -> manifest.Manifest:
         opened, fds = self._link.open_files(step, ())
         if opened.reason is not None:
             raise SaveFailed(opened.reason)
         try:
-            found = read_manifest(fds[0], where / "manifest.json")
+            return read_manifest(fds[0], self._where(step) / "manifest.json")
         except manifest.ManifestError as exc:
             raise CheckpointCorrupt(str(exc)) from exc
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def _where(self, step: int) -> Path:
+        return Path(f"step {step} of job {self._job}")
+
+    def _open(self, step: int, stored: ReadCounter, from_memory: bool) -> dict[int, StoredFile]:
+        """The saved ranks' files of ``step``, or the slots still holding them; reads of files count in ``stored``."""
+        where = self._where(step)
+        found = self._manifest(step)
         files: dict[int, StoredFile] = {}
         ranks = list(range(found.world_size))
         try:
@@ -112,14 +135,24 @@ class Resharder:
                 for rank, fd, base in zip(batch, fds[1:], bases, strict=True):
                     entry = found.file_for(rank)
                     if base:
-                        files[rank] = StoredFile(fd, entry, where / f"slot of rank {rank}", ReadCounter(), base)
+                        files[rank] = StoredFile(Descriptor(fd, base), entry, where / f"slot of rank {rank}",
+                                                 ReadCounter())
                     else:
-                        files[rank] = StoredFile(fd, entry, where / entry.name, stored)
+                        files[rank] = StoredFile(Descriptor(fd), entry, where / entry.name, stored)
         except BaseException:
             for file in files.values():
                 file.close()
             raise
         return files
+
+    def _staged(self, step: int, stored: ReadCounter) -> dict[int, StoredFile]:
+        """The saved ranks' files of ``step`` in a bucket alone, read through this rank's slots; the bytes staged
+        count in ``stored``."""
+        found = self._manifest(step)
+        windows = SlotWindows(self._slots, step, stored)
+        return {entry.rank: StoredFile(windows.file(entry.rank, entry.bytes), entry, self._where(step) / entry.name,
+                                       ReadCounter())
+                for entry in found.files}
 
     def _assembled(self, step: int, files: dict[int, StoredFile], map_location: Any, meshes: tuple[Any, ...],
                    into: Any) -> Any:

@@ -74,7 +74,7 @@ class Restorer:
         self._run = run
         self._link = link
         self._slots = slots
-        self._resharder = resharder.Resharder(job, rank, world_size, allow_pickle, link)
+        self._resharder = resharder.Resharder(job, rank, world_size, allow_pickle, link, slots)
         # The restore the last load() made; None before the first, and after one that restored nothing or raised.
         self.last: Restore | None = None
 
@@ -114,7 +114,8 @@ class Restorer:
             try:
                 slot = self._slots.pool.slots[in_memory[candidate]] if candidate in in_memory else None
                 if candidate in other_world:
-                    state, bytes_read, all_in_memory = self._resharder.load(candidate, map_location, meshes, into)
+                    state, bytes_read, all_in_memory = self._resharder.load(candidate, map_location, meshes, into,
+                                                                             inventory.files_passed)
                     source = "memory" if all_in_memory else "storage"
                 elif slot is not None and _header_holding(slot, candidate) is not None:
                     state = self._read_slot(slot, candidate, map_location, meshes, into)

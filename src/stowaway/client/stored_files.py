@@ -14,7 +14,10 @@ together), and is then served without reading again.
 
 Where the sidecar's shared memory still holds a file (a restart on the same
 pod with another number of ranks), it passes the slot instead, and the same
-ranges are read from behind the slot's header, checked the same way.
+ranges are read from behind the slot's header, checked the same way. Where
+the storage passes no files (a bucket alone), the ranges are staged by the
+sidecar through one of the rank's slots (``staged_ranges``), and checked the
+same way again: every source is a ``ByteSource``.
 
 A file of a manifest without pieces (format version 1) can only be checked
 whole: its first read reads and checks all of it, and later reads are served
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Protocol
 
 from stowaway.errors import CheckpointCorrupt
 from stowaway.storage import checksum, manifest
@@ -33,15 +37,46 @@ from stowaway.storage import checksum, manifest
 KEPT_PIECES = 16
 
 
+class ByteSource(Protocol):
+    """Where a stored file's bytes are read from."""
+
+    def readv(self, buffers: list[memoryview], offset: int) -> int:
+        """Fill ``buffers`` in order from byte ``offset`` of the file; how many bytes it filled (0 past its end)."""
+        ...
+
+    def size(self) -> int | None:
+        """The file's size where the source can tell it (a stored file), else None (a slot holds more)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Descriptor:
+    """A passed descriptor: a stored file, or a slot holding one whose bytes begin ``base`` bytes in."""
+
+    def __init__(self, fd: int, base: int = 0) -> None:
+        self.fd = fd
+        self.base = base
+
+    def readv(self, buffers: list[memoryview], offset: int) -> int:
+        return os.preadv(self.fd, buffers, self.base + offset)
+
+    def size(self) -> int | None:
+        return os.fstat(self.fd).st_size if self.base == 0 else None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class StoredFile:
     """One rank's file of a committed step, open read-only; ``read`` returns checked bytes."""
 
-    def __init__(self, fd: int, entry: manifest.FileEntry, where: Path, counter: ReadCounter, base: int = 0) -> None:
-        self.fd = fd
+    def __init__(self, source: ByteSource, entry: manifest.FileEntry, where: Path, counter: ReadCounter) -> None:
+        self.source = source
         self.entry = entry
         self.where = where
-        # Where the file's bytes begin behind ``fd``: 0 for the stored file, past the header for a slot holding it.
-        self.base = base
         self._counter = counter
         self._pieces = entry.checked_pieces
         self._whole: bytearray | None = None
@@ -49,9 +84,7 @@ class StoredFile:
         self._kept: dict[int, bytes] = {}
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.source.close()
 
     @property
     def header_bytes(self) -> int:
@@ -93,9 +126,10 @@ class StoredFile:
         checks where they differ. A file checked whole is read whole anyway, and served from that copy."""
         if self._pieces is None:
             return bytes(self.read(begin, end))
-        data = os.pread(self.fd, end - begin, self.base + begin)
-        self._counter.bytes += len(data)
-        return data
+        data = memoryview(bytearray(end - begin))
+        count = self.source.readv([data], begin)
+        self._counter.bytes += count
+        return bytes(data[:count])
 
     def _keep(self, index: int, piece: bytes) -> None:
         self._kept.pop(index, None)
@@ -114,7 +148,7 @@ class StoredFile:
                     continue
                 pending.append(buffer[skip:])
                 skip = 0
-            count = os.preadv(self.fd, pending, self.base + offset + done)
+            count = self.source.readv(pending, offset + done)
             if count == 0:
                 raise CheckpointCorrupt(f"{self.where} ends at byte {offset + done}, where the manifest says it "
                                         f"holds {self.entry.bytes}")
@@ -145,8 +179,8 @@ class StoredFile:
             whole = bytearray(self.entry.bytes)
             self._preadv([memoryview(whole)], 0)
             digest = checksum.of_bytes(memoryview(whole))
-            size = os.fstat(self.fd).st_size - self.base
-            if (size != self.entry.bytes and self.base == 0) or digest != self.entry.xxh3_64:
+            size = self.source.size()
+            if (size is not None and size != self.entry.bytes) or digest != self.entry.xxh3_64:
                 raise CheckpointCorrupt(f"{self.where} does not match the manifest's size and xxh3-64 checksum; "
                                         "`stowaway verify` names what differs")
             self._whole = whole

@@ -179,9 +179,31 @@ class Query(ToSidecar):
 
 @dataclass(frozen=True)
 class Stage(ToSidecar):
+    """Hand a slot to the sidecar to fill from storage: with the rank's own file of ``step``, published as that
+    step; or, with ``rank``, ``begin`` and ``nbytes``, with that range of saved rank ``rank``'s file, left
+    unpublished (a resharding rank reads it from the payload, where the storage passes no files)."""
+
     TYPE: ClassVar[str] = "stage"
     step: Int64
     slot: SlotIndex
+    rank: int | None = None
+    begin: Int64 | None = None
+    nbytes: Int64 | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        given = [value is not None for value in (self.rank, self.begin, self.nbytes)]
+        if any(given) and not all(given):
+            raise MessageError("stage of a range needs rank, begin and nbytes together")
+        if self.rank is not None and not 0 <= self.rank < MAX_WORLD_SIZE:
+            raise MessageError(f"stage names rank {self.rank}; ranks are between 0 and {MAX_WORLD_SIZE - 1}")
+
+    @property
+    def span(self) -> tuple[int, int, int] | None:
+        """(rank, begin, nbytes) of a range, or None for the rank's own file."""
+        if self.rank is None or self.begin is None or self.nbytes is None:
+            return None
+        return self.rank, self.begin, self.nbytes
 
 
 @dataclass(frozen=True)

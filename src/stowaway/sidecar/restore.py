@@ -1,4 +1,5 @@
-"""Serving ``load()``: what a rank can restore, staging a stored file into its slot, and opening stored files.
+"""Serving ``load()``: what a rank can restore, staging a stored file (or a range of one) into its slot, and
+opening stored files.
 
 The storage volume is mounted only into the sidecar, so a rank restoring from
 storage onto the CPU has the sidecar open its file read-only and pass the
@@ -9,7 +10,9 @@ sidecar's shared memory still holds them (``MemorySource``). A rank
 restoring onto a GPU, or one that
 found its file corrupt, hands a slot to the sidecar instead, which reads the
 file into it while checking the manifest's checksum (``stage``), and sets a
-corrupt step aside; the rank then restores from memory as usual.
+corrupt step aside; the rank then restores from memory as usual. Where the
+storage passes no files (a bucket alone), a resharding rank has the ranges
+it reads staged into its slot one after another (``stage_range``).
 """
 
 from __future__ import annotations
@@ -112,6 +115,43 @@ def stage(store: step_store.StepStore, state: RankState, index: int, step: int) 
     header.finish_write(slot.header_view, step, generation, entry.bytes)
     state.memory_digests[index] = (generation, step, digest)
     return generation, entry.bytes
+
+
+def stage_range(store: step_store.StepStore, state: RankState, index: int, step: int, found: manifest.Manifest,
+                span: tuple[int, int, int]) -> int:
+    """Fill the payload of the rank's slot ``index`` with ``span`` = (saved rank, begin, nbytes) of ``found``'s
+    file of that rank, leaving the slot unpublished; return its new generation.
+
+    For a rank that reshards a step from a store that passes no files (a
+    bucket alone): it reads the bytes from the payload and checks them
+    against the manifest's pieces itself, as it would a passed file's. The
+    header is left mid-write, so nothing takes the slot for a step in
+    memory; the new generation tells the rank its bytes changed.
+    """
+    rank, begin, nbytes = span
+    slot = state.slots[index]
+    try:
+        entry = found.file_for(rank)
+    except manifest.ManifestError as exc:
+        raise PersistError("restore_missing", f"step {step} cannot be restored: {exc}") from exc
+    if begin + nbytes > entry.bytes or nbytes > slot.capacity:
+        raise PersistError("restore_slot_small",
+                           f"bytes {begin}..{begin + nbytes} of {entry.name} (of {entry.bytes}) do not fit in slot "
+                           f"{slot.path} of {slot.capacity} bytes, or lie outside the file")
+    generation = slot.read_header().generation + 1
+    header.begin_write(slot.header_view, generation)
+    state.memory_digests.pop(index, None)
+    where = store.where(state.job, step, entry.name)
+    try:
+        count = store.read_range(state.job, step, entry.name, begin, slot.payload()[:nbytes])
+    except OSError as exc:
+        raise PersistError("restore_io", f"cannot read {where}: {exc.strerror}") from exc
+    except step_store.StoreError as exc:
+        raise PersistError("restore_io", str(exc)) from exc
+    if count != nbytes:
+        raise PersistError("restore_corrupt", f"{where} ends before byte {begin + nbytes}, where the manifest says "
+                           f"it holds {entry.bytes}; run `stowaway verify {store.where(state.job)}` for details")
+    return generation
 
 
 def open_step(store: step_store.StepStore, job: str, step: int, ranks: tuple[int, ...],

@@ -18,7 +18,7 @@ from stowaway.sidecar import restore
 from stowaway.sidecar.persister import PersistError
 from stowaway.sidecar.ranks import RankState
 from stowaway.slots.header import SlotHeaderError
-from stowaway.storage import step_store
+from stowaway.storage import manifest, step_store
 
 if TYPE_CHECKING:
     from stowaway.sidecar.server import Sidecar
@@ -51,6 +51,8 @@ class Session:
         self._peer_uid = peer_uid
         self._state: RankState | None = None
         self.label = "unidentified peer"
+        # The manifest of the step this rank has ranges staged of (a resharding rank asks for many in a row).
+        self._ranged: tuple[int, manifest.Manifest] | None = None
 
     def send(self, message: messages.ToClient) -> None:
         if not self._writer.is_closing():
@@ -187,13 +189,16 @@ class Session:
         """Pass read-only descriptors of a committed step's files (the storage is not mounted where the rank runs),
         or of the slots that still hold them where the rank asks ``from_memory``."""
         state = self._rank()
+        # A restore asks for the manifest first: the ranges it may have staged next are of that manifest's files.
+        self._ranged = None
         memory = (restore.MemorySource(self._sidecar.config.shm_dir, state.job, self._peer_uid)
                   if message.from_memory else None)
         try:
             fds, offsets = await asyncio.to_thread(restore.open_step, self._sidecar.committer.store, state.job,
                                                    message.step, message.ranks, memory)
         except PersistError as exc:
-            self._sidecar.stats.failed(exc.kind)
+            if exc.kind != step_store.FilesNotPassed.KIND:
+                self._sidecar.stats.failed(exc.kind)
             self.send(messages.Opened(step=message.step, ranks=message.ranks, reason=str(exc)))
             return
         answer = messages.Opened(step=message.step, ranks=message.ranks, reason=None,
@@ -234,14 +239,31 @@ class Session:
                     "its files are kept there for inspection", step, job, target)
         return f"; the step was set aside as {target}, so that it can be saved again"
 
+    async def _manifest_for_ranges(self, job: str, step: int) -> manifest.Manifest:
+        if self._ranged is None or self._ranged[0] != step:
+            try:
+                found = await asyncio.to_thread(self._sidecar.committer.store.read_manifest, job, step)
+            except manifest.ManifestError as exc:
+                raise PersistError("restore_missing", f"step {step} cannot be restored: {exc}") from exc
+            except step_store.StoreError as exc:
+                raise PersistError("restore_io", str(exc)) from exc
+            self._ranged = (step, found)
+        return self._ranged[1]
+
     @_HANDLERS.on(messages.Stage)
     async def _stage(self, message: messages.Stage) -> None:
         state, step, index = self._rank(), message.step, message.slot
         self._owned_slot(state, index, "stage")
         state.busy.add(index)
+        store = self._sidecar.committer.store
         try:
-            generation, nbytes = await asyncio.to_thread(restore.stage, self._sidecar.committer.store, state, index,
-                                                         step)
+            if message.span is None:
+                generation, nbytes = await asyncio.to_thread(restore.stage, store, state, index, step)
+            else:
+                found = await self._manifest_for_ranges(state.job, step)
+                generation = await asyncio.to_thread(restore.stage_range, store, state, index, step, found,
+                                                     message.span)
+                nbytes = message.span[2]
         except PersistError as exc:
             self._sidecar.stats.failed(exc.kind)
             reason = str(exc)

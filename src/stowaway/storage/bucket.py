@@ -22,6 +22,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +39,8 @@ _STEP_KEY = re.compile(r"^step-(\d{12})/(.+)$")
 MiB = 2**20
 GiB = 2**30
 READ_CHUNK_BYTES = 1 * MiB
+# A ranged read (a resharding rank's) goes in parts of this size, ``Settings.concurrency`` at a time.
+READ_PART_BYTES = 16 * MiB
 
 
 class BucketError(step_store.StoreError):
@@ -265,8 +268,9 @@ class Bucket:
         except Exception as exc:
             raise classify(exc, f"reading {self.key_url(key)}") from exc
 
-    def chunks(self, key: str) -> Iterator[memoryview]:
-        """Object ``key`` streamed in chunks of about 1 MiB, never whole in memory.
+    def chunks(self, key: str, span: tuple[int, int] | None = None) -> Iterator[memoryview]:
+        """Object ``key`` (or bytes ``span`` = (begin, end) of it) streamed in chunks of about 1 MiB, never whole
+        in memory.
 
         Small enough to stay in the CPU's cache between the network, the
         checksum and the write (measured: 16 MiB chunks, each in fresh
@@ -274,11 +278,37 @@ class Bucket:
         """
         import obstore
 
+        options: Any = {"range": span} if span is not None else None
         try:
-            for chunk in obstore.get(self._store, key).stream(min_chunk_size=READ_CHUNK_BYTES):
+            for chunk in obstore.get(self._store, key, options=options).stream(min_chunk_size=READ_CHUNK_BYTES):
                 yield memoryview(chunk)
         except Exception as exc:
             raise classify(exc, f"reading {self.key_url(key)}") from exc
+
+    def read_into(self, key: str, begin: int, into: memoryview) -> int:
+        """Bytes of ``key`` from ``begin`` into ``into``, in parts of ``READ_PART_BYTES`` fetched several at a
+        time (one stream alone is bound by its round trips); how many the object held (fewer where it ends
+        first)."""
+        parts = [(start, min(start + READ_PART_BYTES, len(into))) for start in range(0, len(into), READ_PART_BYTES)]
+
+        def fetch(part: tuple[int, int]) -> int:
+            count = part[0]
+            for chunk in self.chunks(key, (begin + part[0], begin + part[1])):
+                fits = min(len(chunk), part[1] - count)
+                into[count : count + fits] = chunk[:fits]
+                count += fits
+            return count - part[0]
+
+        if len(parts) <= 1:
+            return sum(fetch(part) for part in parts)
+        with ThreadPoolExecutor(min(len(parts), self.settings.concurrency), thread_name_prefix="range") as pool:
+            counts = list(pool.map(fetch, parts))
+        total = 0
+        for (start, end), count in zip(parts, counts, strict=True):
+            total += count
+            if count < end - start:
+                break
+        return total
 
     # Writing.
 

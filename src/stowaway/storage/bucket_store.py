@@ -174,14 +174,16 @@ class BucketStore:
             count += len(chunk)
         return count, hasher.hexdigest()
 
+    def read_range(self, job: str, step: int, name: str, begin: int, into: memoryview) -> int:
+        return self.bucket.read_into(self._step_key(job, step, name), begin, into)
+
     def open_files(self, job: str, step: int, names: list[str]) -> list[int]:
-        """The manifest only, in memory of its own (it is small); rank files are staged into slots instead."""
+        """The manifest only, in memory of its own (it is small); a rank's own file is staged into its slot, and a
+        resharding rank has ranges of the files it needs staged (``read_range``)."""
         if names[1:] or names[:1] != [layout.MANIFEST]:
-            raise step_store.StoreError(
-                "restore_io", f"{self.where(job, step)} is in a bucket without a claim, whose rank files the sidecar "
-                "does not pass to ranks (it downloads a rank's own file into the rank's slot), so it cannot be "
-                "resharded onto another number of ranks: restore it with the number of ranks that saved it, or "
-                "give the sidecar a claim with the bucket behind it")
+            raise step_store.FilesNotPassed(
+                f"{self.where(job, step)} is in a bucket without a claim, whose rank files the sidecar does not "
+                "pass to ranks: a rank reads the ranges it needs through its slot instead")
         fd = os.memfd_create(layout.MANIFEST, os.MFD_CLOEXEC)
         try:
             data = memoryview(self._read(job, step, layout.MANIFEST))

@@ -34,6 +34,15 @@ class ManifestExists(StoreError):
         super().__init__("manifest_exists", message)
 
 
+class FilesNotPassed(StoreError):
+    """The store passes no rank files to ranks (a bucket alone): not a failure, the rank reads ranges instead."""
+
+    KIND = "files_not_passed"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(self.KIND, message)
+
+
 class RankFileWrite(Protocol):
     """One rank file being written: ``write`` moves the bytes, ``finish`` makes them durable under their name.
 
@@ -64,7 +73,7 @@ class StepStore(Protocol):
     """A sidecar's storage: every job's steps below one directory or bucket prefix."""
 
     # Whether ``open_files`` passes rank files to ranks (a directory); a bucket stages a rank's own file into its
-    # slot instead (``read_into``).
+    # slot instead (``read_into``), and ranges of other ranks' files for a resharding rank (``read_range``).
     passes_files: bool
 
     def where(self, job: str, step: int | None = None, name: str = "") -> str:
@@ -118,6 +127,11 @@ class StepStore(Protocol):
     def read_into(self, job: str, step: int, entry: manifest.FileEntry, payload: memoryview) -> tuple[int, str]:
         """Read ``entry``'s file into ``payload``; how many bytes it held (up to ``entry.bytes``) and their
         checksum. The caller compares both with ``entry``."""
+        ...
+
+    def read_range(self, job: str, step: int, name: str, begin: int, into: memoryview) -> int:
+        """Read ``len(into)`` bytes of file ``name`` of ``step`` from ``begin`` into ``into``; how many it held
+        (fewer where the file ends first). The rank that asked checks them against the manifest's pieces."""
         ...
 
     def open_files(self, job: str, step: int, names: list[str]) -> list[int]:
