@@ -149,7 +149,7 @@ class Resharder:
         """The saved ranks' files of ``step`` in a bucket alone, read through this rank's slots; the bytes staged
         count in ``stored``."""
         found = self._manifest(step)
-        windows = SlotWindows(self._slots, step, stored)
+        windows = SlotWindows(self._slots, step, stored, found.total_bytes // self._world_size)
         return {entry.rank: StoredFile(windows.file(entry.rank, entry.bytes), entry, self._where(step) / entry.name,
                                        ReadCounter())
                 for entry in found.files}

@@ -18,7 +18,8 @@ file's last window ended twice as much ahead, up to ``MAX_AHEAD_BYTES``;
 the last two windows of each file (of the last ``KEPT_FILES`` files) are
 kept, so that a piece straddling two windows is served without staging it
 again. A read too large to keep goes in parts of up to ``STAGE_BYTES``
-straight into the destination.
+straight into the destination. No stage grows a slot beyond the rank's
+share of the step, which its next save fills anyway.
 """
 
 from __future__ import annotations
@@ -64,9 +65,12 @@ class Readahead:
 class SlotWindows:
     """Ranges of one step's saved files staged through this rank's slots, read ahead per file."""
 
-    def __init__(self, slots: RankSlots, step: int, counter: ReadCounter) -> None:
+    def __init__(self, slots: RankSlots, step: int, counter: ReadCounter, share: int) -> None:
         self._slots = slots
         self._step = step
+        # No stage grows a slot beyond this rank's share of the step (what its next save needs anyway), so a
+        # shared memory sized for the job never runs out for a restore.
+        self._most = max(MIN_AHEAD_BYTES, min(share, STAGE_BYTES))
         # Bytes staged from storage: what the restore reports as read from it.
         self._counter = counter
         # Per saved rank, what was read ahead of its file; the files read least recently first.
@@ -94,13 +98,13 @@ class SlotWindows:
             del self._files[next(iter(self._files))]
         found = ahead.find(position)
         if found is None:
-            nbytes = min(ahead.next_size(position, len(into)), size - position)
-            if nbytes > MAX_AHEAD_BYTES:
-                count = self._stage(rank, position, min(len(into), size - position, STAGE_BYTES), into)
+            wanted = ahead.next_size(position, len(into))
+            if wanted > MAX_AHEAD_BYTES:
+                count = self._stage(rank, position, min(len(into), size - position, self._most), into)
                 ahead.last_end = position + count
                 return count
-            found = (position, bytearray(nbytes))
-            self._stage(rank, position, nbytes, memoryview(found[1]))
+            found = (position, bytearray(min(wanted, size - position, self._most)))
+            self._stage(rank, position, len(found[1]), memoryview(found[1]))
             ahead.keep(*found)
         begin, data = found
         count = min(len(into), begin + len(data) - position)
