@@ -3,6 +3,7 @@ from their slots, committed in the bucket on one node and on two, restored from 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,32 @@ def test_rollback_on_a_bucket_alone_sets_newer_steps_aside_and_the_job_resumes_f
     assert again.wait(3).get("committed"), "the job saves the steps after the rollback again"
     again.exit()
     assert store.committed_steps("job") == [1, 2, 3]
+
+
+SAVE_THEN_LOAD = """
+import sys, torch
+from stowaway import Checkpointer
+with Checkpointer() as ckpt:
+    restored = ckpt.load()
+    step = 0 if restored is None else restored[0]
+    if restored is not None:
+        assert torch.equal(restored[1]["w"], torch.full((1000,), float(step))), "the state saved comes back"
+    ckpt.save(step + 1, {"w": torch.full((1000,), float(step + 1))}).wait()
+    print("restored", step, "saved", step + 1, ckpt.last_restore.source if ckpt.last_restore else None)
+"""
+
+
+def test_stowaway_run_with_a_bucket_alone_saves_there_and_the_next_run_resumes_from_it(
+        bucket_env: S3Server, s3_bucket: str) -> None:
+    url = f"s3://{s3_bucket}/local"
+    first = stowaway_cli("run", "--bucket", url, "--job", "demo", "--", sys.executable, "-c", SAVE_THEN_LOAD)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "restored 0 saved 1 None" in first.stdout
+    assert f"checkpoints of job 'demo' in {url}/demo" in first.stderr
+    second = stowaway_cli("run", "--bucket", url, "--job", "demo", "--", sys.executable, "-c", SAVE_THEN_LOAD)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "restored 1 saved 2 storage" in second.stdout, "a new run on a new sidecar restores from the bucket"
+    assert store_at(bucket_env, url).committed_steps("demo") == [1, 2]
+
+    refused = stowaway_cli("run", "--", sys.executable, "-c", "pass")
+    assert refused.returncode == 2 and "pass --storage DIR, --bucket s3://BUCKET/PREFIX, or both" in refused.stderr

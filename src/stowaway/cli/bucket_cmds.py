@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TextIO
 
 from stowaway.cli import catalog_cmds
 from stowaway.cli.errors import CommandError
@@ -37,19 +38,24 @@ def run_ls(url: str) -> int:
         print(f"no checkpoints under {url}")
     for job in jobs:
         print(f"job {job.job} ({job.url})")
-        steps = job.committed_steps()
-        if not steps:
-            print("  (no committed checkpoint)")
-        else:
-            print(f"  {'STEP':>10}  {'RANKS':>5}  {'BYTES':>12}  AGE")
-        for step in steps:
-            try:
-                catalog_cmds.print_row(step, job.read_manifest(step), sys.stdout)
-            except (manifest.ManifestError, bucket.BucketError) as exc:
-                print(f"  {step:>10}  unreadable manifest: {exc}")
-        for url_aside in job.set_aside():
-            print(f"  set aside (kept for inspection; delete it when done): {url_aside}")
+        print_listing(job, sys.stdout)
     return 0
+
+
+def print_listing(job: bucket_jobs.BucketJob, out: TextIO) -> None:
+    """The job's committed steps and the steps set aside, as ``catalog_cmds.print_listing`` shows a claim's."""
+    steps = job.committed_steps()
+    if not steps:
+        print("  (no committed checkpoint)", file=out)
+    else:
+        print(f"  {'STEP':>10}  {'RANKS':>5}  {'BYTES':>12}  AGE", file=out)
+    for step in steps:
+        try:
+            catalog_cmds.print_row(step, job.read_manifest(step), out)
+        except (manifest.ManifestError, bucket.BucketError) as exc:
+            print(f"  {step:>10}  unreadable manifest: {exc}", file=out)
+    for url_aside in job.set_aside():
+        print(f"  set aside (kept for inspection; delete it when done): {url_aside}", file=out)
 
 
 def run_verify(url: str, only: int | None) -> int:

@@ -30,8 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stowaway import sidecar_settings
-from stowaway.cli import catalog_cmds
+from stowaway.cli import bucket_cmds, catalog_cmds
 from stowaway.cli.errors import CommandError
+from stowaway.storage import bucket, bucket_jobs
 
 STARTUP_TIMEOUT = 30.0
 _PR_SET_PDEATHSIG = 1
@@ -40,10 +41,13 @@ _PR_SET_PDEATHSIG = 1
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
         "run", help="run a command (e.g. torchrun ...) with a local sidecar",
-        description="Start a sidecar, run COMMAND with STOWAWAY_SOCKET and STOWAWAY_JOB set, wait for "
-        "in-flight persists, stop the sidecar, and exit with COMMAND's status.",
+        description="Start a sidecar on --storage, --bucket or both, run COMMAND with STOWAWAY_SOCKET and "
+        "STOWAWAY_JOB set, wait for in-flight persists, stop the sidecar, and exit with COMMAND's status.",
     )
-    parser.add_argument("--storage", type=Path, required=True, help="durable storage directory")
+    parser.add_argument("--storage", type=Path, help="durable storage directory")
+    parser.add_argument("--bucket", metavar="s3://BUCKET/PREFIX",
+                        help="a bucket: behind --storage, a second tier; without it, the storage itself (reached "
+                             "through the AWS_* variables: AWS_ENDPOINT_URL, the credentials, ...)")
     parser.add_argument("--job", default="local", help="job name, the directory under --storage (default: local)")
     sidecar_settings.KEEP_LAST.add_to(parser)  # passed on to the sidecar as it is
     parser.add_argument("--grace-period", type=float, default=300.0, metavar="SECONDS",
@@ -57,12 +61,23 @@ def run(args: argparse.Namespace) -> int:
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
         raise CommandError("no command given: use `stowaway run --storage DIR -- torchrun ... train.py`")
+    if args.storage is None and args.bucket is None:
+        raise CommandError("no storage given: pass --storage DIR, --bucket s3://BUCKET/PREFIX, or both")
+    if args.bucket is not None:
+        try:
+            bucket.Location.parse(args.bucket)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+    where = [*(["--storage", str(args.storage)] if args.storage is not None else []),
+             *(["--bucket", args.bucket] if args.bucket is not None else [])]
+    job_at = (str((args.storage / args.job).absolute()) if args.storage is not None
+              else f"{args.bucket.rstrip('/')}/{args.job}")
     workdir = Path(tempfile.mkdtemp(prefix="stw-", dir="/tmp"))
     shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else workdir
     shm_dir = Path(tempfile.mkdtemp(prefix="stowaway-", dir=shm_root))
     socket_path = workdir / "sidecar.sock"
     sidecar = subprocess.Popen(
-        [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(args.storage), "--socket", str(socket_path),
+        [sys.executable, "-m", "stowaway", "sidecar", *where, "--socket", str(socket_path),
          "--shm-dir", str(shm_dir), *sidecar_settings.KEEP_LAST.command_line(args.keep_last),
          "--grace-period", str(args.grace_period), "--remove-dirs-on-exit", "--log-level", "WARNING"],
         start_new_session=True, preexec_fn=_terminate_with(os.getpid()),
@@ -70,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         wait_for_socket(sidecar, socket_path)
         env = dict(os.environ, STOWAWAY_SOCKET=str(socket_path), STOWAWAY_JOB=args.job,
-                   STOWAWAY_STORAGE=str((args.storage / args.job).absolute()),
+                   STOWAWAY_STORAGE=job_at,
                    STOWAWAY_RUN_ID=uuid.uuid4().hex)
         print(f"stowaway: sidecar ready; running {' '.join(command)}", file=sys.stderr, flush=True)
         status = _run_command(command, env)
@@ -78,9 +93,15 @@ def run(args: argparse.Namespace) -> int:
         stop_sidecar(sidecar, args.grace_period)
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
-    job_path = args.storage / args.job
-    print(f"stowaway: checkpoints of job {args.job!r} in {job_path.absolute()}:", file=sys.stderr)
-    catalog_cmds.print_listing(job_path, sys.stderr)
+    print(f"stowaway: checkpoints of job {args.job!r} in {job_at}:", file=sys.stderr)
+    if args.storage is not None:
+        catalog_cmds.print_listing(args.storage / args.job, sys.stderr)
+    else:
+        try:
+            job = bucket_jobs.BucketJob(bucket.Bucket(bucket.Location.parse(args.bucket), bucket.Settings()), args.job)
+            bucket_cmds.print_listing(job, sys.stderr)
+        except bucket.BucketError as exc:
+            print(f"  (cannot list the bucket: {exc})", file=sys.stderr)
     return status
 
 
