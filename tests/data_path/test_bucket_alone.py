@@ -63,7 +63,8 @@ def test_two_nodes_commit_one_step_through_the_bucket_alone(
 
     for rank in ranks[:3]:
         rank.save(1)
-    wait_for(lambda: [r.node for r in store.read_receipts("multi", 1)] == ["a"], "node a's receipt in the bucket")
+    wait_for(lambda: [r.node for r in store.read_notices("multi", 1).receipts] == ["a"],
+             "node a's receipt in the bucket")
     assert store.committed_steps("multi") == [], "node b still misses rank 3"
     assert not any(rank.done(1) for rank in ranks[:3]), "three of four ranks must not commit"
 

@@ -32,16 +32,20 @@ def _receipt(publisher: publishing.Publisher, node: str, step: int, ranks: tuple
     manifest.write_receipt(step_path, manifest.Receipt(node, run, step, 4, files))
 
 
+def commit_if_complete(publisher: publishing.Publisher, step: int) -> str | None:
+    return publisher.commit_if_complete(_pending(step), publisher.store.read_notices("job", step).receipts)
+
+
 def test_the_manifest_is_written_only_once_this_runs_receipts_cover_every_rank(tmp_path: Path) -> None:
     clock = FakeClock()
     publisher = _publisher(tmp_path, clock)
     _receipt(publisher, "a", 1, (0, 1))
     _receipt(publisher, "b", 1, (2, 3), run="run-0")
-    assert publisher.commit_if_complete(_pending(1)) == "receipts of ranks 2, 3"
+    assert commit_if_complete(publisher, 1) == "receipts of ranks 2, 3"
     assert publisher.missing_manifest(_pending(1)) == "the manifest written by the sidecar that hosts rank 0"
 
     _receipt(publisher, "b", 1, (2, 3))
-    assert publisher.commit_if_complete(_pending(1)) is None
+    assert commit_if_complete(publisher, 1) is None
     found = manifest.read_manifest(publisher.store.step_path("job", 1))
     assert found.nodes == ["a", "b"] and [entry.rank for entry in found.files] == [0, 1, 2, 3]
     assert found.timings == {"first_persist_unix": 1_000.0, "commit_seconds": clock.wall() - 1_000.0}
@@ -55,8 +59,8 @@ def test_latest_never_moves_back_to_an_older_step_committed_late(tmp_path: Path)
     publisher = _publisher(tmp_path, FakeClock())
     for step in (5, 3):
         _receipt(publisher, "a", step, (0, 1, 2, 3))
-    assert publisher.commit_if_complete(_pending(5)) is None
-    assert publisher.commit_if_complete(_pending(3)) is None
+    assert commit_if_complete(publisher, 5) is None
+    assert commit_if_complete(publisher, 3) is None
 
     assert catalog.committed_steps(tmp_path / "job") == [3, 5]
     assert (tmp_path / "job" / layout.LATEST).read_text() == "5\n"
@@ -73,7 +77,7 @@ def test_retention_keeps_the_newest_and_leaves_busy_steps_alone(tmp_path: Path) 
     publisher = _publisher(tmp_path, FakeClock())
     for step in (1, 2, 3):
         _receipt(publisher, "a", step, (0, 1, 2, 3))
-        assert publisher.commit_if_complete(_pending(step)) is None
+        assert commit_if_complete(publisher, step) is None
     _receipt(publisher, "a", 4, (0, 1))
 
     publisher.retain("job", busy={4})

@@ -26,8 +26,11 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from stowaway.storage import bucket, checksum, layout, manifest, retention, step_store
+
+T = TypeVar("T")
 
 
 class SlotUpload:
@@ -116,22 +119,27 @@ class BucketStore:
     def write_receipt(self, job: str, step: int, receipt: manifest.Receipt) -> None:
         self.bucket.put(self._step_key(job, step, layout.receipt_name(receipt.node)), manifest.encoded(receipt))
 
-    def read_receipts(self, job: str, step: int) -> list[manifest.Receipt]:
-        return [manifest.receipt_from_bytes(self.where(job, step, name), self._read(job, step, name))
-                for name in self._names(job, step, layout.receipt_name("*"))]
+    def read_notices(self, job: str, step: int) -> step_store.Notices:
+        names = self._names(job, step)
+        return step_store.Notices(
+            self._parsed(job, step, names, layout.receipt_name("*"), manifest.receipt_from_bytes),
+            self._parsed(job, step, names, layout.failure_name("*"), manifest.failure_from_bytes))
 
     def write_failure(self, job: str, step: int, failure: manifest.Failure) -> None:
         self.bucket.put(self._step_key(job, step, layout.failure_name(failure.node)), manifest.encoded(failure))
 
     def read_failures(self, job: str, step: int) -> list[manifest.Failure]:
-        return [manifest.failure_from_bytes(self.where(job, step, name), self._read(job, step, name))
-                for name in self._names(job, step, layout.failure_name("*"))]
+        return self._parsed(job, step, self._names(job, step), layout.failure_name("*"), manifest.failure_from_bytes)
 
-    def _names(self, job: str, step: int, pattern: str) -> list[str]:
-        """Names of ``step``'s objects that match ``pattern`` (``receipt-*.json``, ``failed-*.json``)."""
+    def _names(self, job: str, step: int) -> list[str]:
+        """Names of ``step``'s objects, in one listing."""
         folder = self._step_key(job, step, "") + "/"
-        return sorted(name for key in self.bucket.keys_below(folder)
-                      if fnmatch.fnmatchcase(name := key[len(folder):], pattern))
+        return sorted(key[len(folder):] for key in self.bucket.keys_below(folder))
+
+    def _parsed(self, job: str, step: int, names: list[str], pattern: str, parse: Callable[[str, bytes], T]) -> list[T]:
+        """The objects among ``names`` that match ``pattern`` (``receipt-*.json``, ``failed-*.json``), parsed."""
+        return [parse(self.where(job, step, name), self._read(job, step, name))
+                for name in names if fnmatch.fnmatchcase(name, pattern)]
 
     def retain(self, job: str, keep_last: int, keep_every: int, abandoned_after: float, busy: set[int]) -> list[int]:
         listing = self.bucket.step_listing(job)

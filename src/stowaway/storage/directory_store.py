@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stowaway.storage import catalog, checksum, direct_io, durable, layout, manifest, retention, set_aside
+from stowaway.storage import catalog, checksum, direct_io, durable, layout, manifest, retention, set_aside, step_store
 
 
 @dataclass
@@ -94,8 +94,9 @@ class DirectoryStore:
     def write_receipt(self, job: str, step: int, receipt: manifest.Receipt) -> None:
         manifest.write_receipt(self.step_path(job, step), receipt)
 
-    def read_receipts(self, job: str, step: int) -> list[manifest.Receipt]:
-        return manifest.read_receipts(self.step_path(job, step))
+    def read_notices(self, job: str, step: int) -> step_store.Notices:
+        path = self.step_path(job, step)
+        return step_store.Notices(manifest.read_receipts(path), manifest.read_failures(path))
 
     def write_failure(self, job: str, step: int, failure: manifest.Failure) -> None:
         manifest.write_failure(self.step_path(job, step), failure)

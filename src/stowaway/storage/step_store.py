@@ -14,7 +14,7 @@ manifest, receipt or notice that is missing or unreadable.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from stowaway.storage import checksum, manifest
 
@@ -41,6 +41,13 @@ class FilesNotPassed(StoreError):
 
     def __init__(self, message: str) -> None:
         super().__init__(self.KIND, message)
+
+
+class Notices(NamedTuple):
+    """What the nodes of a step have said: which files they hold (receipts), and which gave up (failures)."""
+
+    receipts: list[manifest.Receipt]
+    failures: list[manifest.Failure]
 
 
 class RankFileWrite(Protocol):
@@ -106,7 +113,9 @@ class StepStore(Protocol):
 
     def write_receipt(self, job: str, step: int, receipt: manifest.Receipt) -> None: ...
 
-    def read_receipts(self, job: str, step: int) -> list[manifest.Receipt]: ...
+    def read_notices(self, job: str, step: int) -> Notices:
+        """Every receipt and failure notice of ``step``, read in one listing: what a commit's poll needs."""
+        ...
 
     def write_failure(self, job: str, step: int, failure: manifest.Failure) -> None: ...
 

@@ -196,8 +196,11 @@ class Committer:
             missing = self._publisher.missing_manifest(pending)
             return (None if missing is None else self._board.failure_elsewhere(pending.job, pending.run,
                                                                               pending.step)), missing
-        elsewhere = self._board.failure_elsewhere(pending.job, pending.run, pending.step)
-        return elsewhere, (None if elsewhere is not None else self._publisher.commit_if_complete(pending))
+        # One listing serves both: on a bucket, each is a request, and a commit polls for a while.
+        said = self.store.read_notices(pending.job, pending.step)
+        elsewhere = self._board.failure_among(said.failures, pending.run, pending.step)
+        return elsewhere, (None if elsewhere is not None else self._publisher.commit_if_complete(pending,
+                                                                                                 said.receipts))
 
     def set_aside(self, job: str, step: int) -> str | None:
         """Set committed ``step`` aside as corrupt, so that the job can save it again."""

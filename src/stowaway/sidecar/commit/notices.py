@@ -34,7 +34,11 @@ class NoticeBoard:
 
     def failure_elsewhere(self, job: str, run: str, step: int) -> str | None:
         """Why another node failed this run's step, or None; an unreadable notice raises."""
-        for failure in self._store.read_failures(job, step):
+        return self.failure_among(self._store.read_failures(job, step), run, step)
+
+    def failure_among(self, failures: list[manifest.Failure], run: str, step: int) -> str | None:
+        """Why another node failed this run's step, going by ``failures`` (the step's notices), or None."""
+        for failure in failures:
             if failure.run == run and failure.node != self._node:
                 return f"step {step} failed on node {failure.node}: {failure.reason}"
         return None

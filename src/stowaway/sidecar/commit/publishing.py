@@ -37,9 +37,10 @@ class Publisher:
         self._newest_committed[job] = newest
         return newest
 
-    def commit_if_complete(self, pending: gathering.PendingStep) -> str | None:
-        """Commit when this run's receipts cover every rank; else say whose receipts are missing."""
-        receipts = [r for r in self.store.read_receipts(pending.job, pending.step) if r.run == pending.run]
+    def commit_if_complete(self, pending: gathering.PendingStep, found: list[manifest.Receipt]) -> str | None:
+        """Commit when this run's receipts among ``found`` (the step's) cover every rank; else say whose receipts
+        are missing."""
+        receipts = [r for r in found if r.run == pending.run]
         entries = {entry.rank: entry for receipt in receipts for entry in receipt.files}
         missing = sorted(set(range(pending.world_size)) - set(entries))
         if missing:
