@@ -7,9 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 from s3server import S3Server
 
 from data_path.processes import collective, join_group, stowaway_cli, wait_for
+from data_path.rank_driver import pattern
 from stowaway.storage import bucket, bucket_store, layout, manifest, step_store
 
 pytestmark = pytest.mark.s3
@@ -36,6 +38,9 @@ def test_a_job_saves_commits_and_restores_through_the_bucket_alone(
     found = store.read_manifest("job", 3)
     assert found.nodes == ["a"] and found.files[0].pieces, "piece checksums, for ranged reads"
     assert store.bucket.read(store.bucket.location.key("job", layout.LATEST)) == b"3\n"
+    # Each rank object is a plain .safetensors file: the safetensors package reads its bytes as they are.
+    [weights] = safetensors.torch.load(store.bucket.read(store.bucket.step_key("job", 3, found.files[0].name))).values()
+    assert weights.numel() == 2_000_000 and bool((weights == pattern(0, 3)).all())
     first.stop()
 
     # Another pod: no slot of the job in its shared memory, nothing but the bucket.
