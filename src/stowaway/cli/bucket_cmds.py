@@ -44,18 +44,8 @@ def run_ls(url: str) -> int:
 
 def print_listing(job: bucket_jobs.BucketJob, out: TextIO) -> None:
     """The job's committed steps and the steps set aside, as ``catalog_cmds.print_listing`` shows a claim's."""
-    steps = job.committed_steps()
-    if not steps:
-        print("  (no committed checkpoint)", file=out)
-    else:
-        print(f"  {'STEP':>10}  {'RANKS':>5}  {'BYTES':>12}  AGE", file=out)
-    for step in steps:
-        try:
-            catalog_cmds.print_row(step, job.read_manifest(step), out)
-        except (manifest.ManifestError, bucket.BucketError) as exc:
-            print(f"  {step:>10}  unreadable manifest: {exc}", file=out)
-    for url_aside in job.set_aside():
-        print(f"  set aside (kept for inspection; delete it when done): {url_aside}", file=out)
+    catalog_cmds.print_steps(job.committed_steps(), job.read_manifest, (manifest.ManifestError, bucket.BucketError),
+                             job.set_aside(), out)
 
 
 def run_verify(url: str, only: int | None) -> int:
@@ -119,7 +109,7 @@ def run_rollback(url: str, to: int) -> int:
         for step in newer:
             where = store.set_aside_step(job.job, step, stamp_ns, listing[step], layout.ROLLED_BACK)
             print(f"step {step}: set aside as {where}")
-        store.put(store.location.key(job.job, layout.LATEST), f"{to}\n".encode())
+        store.point_latest(job.job, to)
     except bucket.BucketError as exc:
         raise CommandError(f"{exc}; run the rollback again once the bucket is reachable") from None
     if not newer:

@@ -66,20 +66,27 @@ def print_row(step: int, found: manifest.Manifest, out: TextIO) -> None:
 
 
 def print_listing(job_path: Path, out: TextIO) -> None:
-    steps = catalog.committed_steps(job_path)
+    print_steps(catalog.committed_steps(job_path), lambda step: manifest.read_manifest(layout.step_dir(job_path, step)),
+                (manifest.ManifestError,), layout.set_aside_dirs(job_path), out)
+
+
+def print_steps(steps: Sequence[int], read: Callable[[int], manifest.Manifest],
+                unreadable: tuple[type[Exception], ...], set_aside: Sequence[object], out: TextIO) -> None:
+    """A job's committed ``steps`` (each manifest from ``read``; one raising ``unreadable`` is shown as such) and
+    the steps ``set_aside``: the listing of ``ls`` and of ``run``, on a claim and in a bucket alike."""
     if not steps:
         print("  (no committed checkpoint)", file=out)
     else:
         print(f"  {'STEP':>10}  {'RANKS':>5}  {'BYTES':>12}  AGE", file=out)
     for step in steps:
         try:
-            found = manifest.read_manifest(layout.step_dir(job_path, step))
-        except manifest.ManifestError as exc:
+            found = read(step)
+        except unreadable as exc:
             print(f"  {step:>10}  unreadable manifest: {exc}", file=out)
             continue
         print_row(step, found, out)
-    for path in layout.set_aside_dirs(job_path):
-        print(f"  set aside (kept for inspection; delete it when done): {path}", file=out)
+    for where in set_aside:
+        print(f"  set aside (kept for inspection; delete it when done): {where}", file=out)
 
 
 def run_ls(args: argparse.Namespace) -> int:

@@ -63,11 +63,10 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("no command given: use `stowaway run --storage DIR -- torchrun ... train.py`")
     if args.storage is None and args.bucket is None:
         raise CommandError("no storage given: pass --storage DIR, --bucket s3://BUCKET/PREFIX, or both")
-    if args.bucket is not None:
-        try:
-            bucket.Location.parse(args.bucket)
-        except ValueError as exc:
-            raise CommandError(str(exc)) from None
+    try:
+        location = bucket.Location.parse(args.bucket) if args.bucket is not None else None
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
     where = [*(["--storage", str(args.storage)] if args.storage is not None else []),
              *(["--bucket", args.bucket] if args.bucket is not None else [])]
     job_at = (str((args.storage / args.job).absolute()) if args.storage is not None
@@ -96,9 +95,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"stowaway: checkpoints of job {args.job!r} in {job_at}:", file=sys.stderr)
     if args.storage is not None:
         catalog_cmds.print_listing(args.storage / args.job, sys.stderr)
-    else:
+    elif location is not None:
         try:
-            job = bucket_jobs.BucketJob(bucket.Bucket(bucket.Location.parse(args.bucket), bucket.Settings()), args.job)
+            job = bucket_jobs.BucketJob(bucket.Bucket(location, bucket.Settings()), args.job)
             bucket_cmds.print_listing(job, sys.stderr)
         except bucket.BucketError as exc:
             print(f"  (cannot list the bucket: {exc})", file=sys.stderr)

@@ -17,7 +17,9 @@ it reads staged into its slot one after another (``stage_range``).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +87,17 @@ def _slot_holding(state: RankState, step: int, entry: manifest.FileEntry) -> int
     return None
 
 
+@contextlib.contextmanager
+def _reading(where: str) -> Iterator[None]:
+    """A read of ``where`` from storage, whose failure (a directory's or a bucket's) is a ``restore_io``."""
+    try:
+        yield
+    except OSError as exc:
+        raise PersistError("restore_io", f"cannot read {where}: {exc.strerror}") from exc
+    except step_store.StoreError as exc:
+        raise PersistError("restore_io", str(exc)) from exc
+
+
 def stage(store: step_store.StepStore, state: RankState, index: int, step: int) -> tuple[int, int]:
     """Fill the rank's slot ``index`` with its stored file of ``step``; return (generation, nbytes)."""
     slot = state.slots[index]
@@ -100,12 +113,8 @@ def stage(store: step_store.StepStore, state: RankState, index: int, step: int) 
     current = slot.read_header()
     generation = current.generation + 1
     header.begin_write(slot.header_view, generation)
-    try:
+    with _reading(where):
         offset, digest = store.read_into(state.job, step, entry, slot.payload())
-    except OSError as exc:
-        raise PersistError("restore_io", f"cannot read {where}: {exc.strerror}") from exc
-    except step_store.StoreError as exc:
-        raise PersistError("restore_io", str(exc)) from exc
     if offset != entry.bytes or digest != entry.xxh3_64:
         raise PersistError(
             "restore_corrupt",
@@ -142,12 +151,8 @@ def stage_range(store: step_store.StepStore, state: RankState, index: int, step:
     header.begin_write(slot.header_view, generation)
     state.memory_digests.pop(index, None)
     where = store.where(state.job, step, entry.name)
-    try:
+    with _reading(where):
         count = store.read_range(state.job, step, entry.name, begin, slot.payload()[:nbytes])
-    except OSError as exc:
-        raise PersistError("restore_io", f"cannot read {where}: {exc.strerror}") from exc
-    except step_store.StoreError as exc:
-        raise PersistError("restore_io", str(exc)) from exc
     if count != nbytes:
         raise PersistError("restore_corrupt", f"{where} ends before byte {begin + nbytes}, where the manifest says "
                            f"it holds {entry.bytes}; run `stowaway verify {store.where(state.job)}` for details")

@@ -384,6 +384,10 @@ class Bucket:
                 raise Exists(f"{self.key_url(key)} exists already") from exc
             raise classify(exc, f"writing {self.key_url(key)}") from exc
 
+    def point_latest(self, job: str, step: int) -> None:
+        """Name ``step`` as the job's newest in its ``latest`` object, as on a claim."""
+        self.put(self.location.key(job, layout.LATEST), f"{step}\n".encode())
+
     def delete(self, keys: list[str]) -> None:
         import obstore
 

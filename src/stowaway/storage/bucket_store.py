@@ -114,7 +114,7 @@ class BucketStore:
             raise step_store.ManifestExists(f"step {step} of job {job} is committed already: {exc}") from exc
 
     def point_latest(self, job: str, step: int) -> None:
-        self.bucket.put(self.bucket.location.key(job, layout.LATEST), f"{step}\n".encode())
+        self.bucket.point_latest(job, step)
 
     def write_receipt(self, job: str, step: int, receipt: manifest.Receipt) -> None:
         self.bucket.put(self._step_key(job, step, layout.receipt_name(receipt.node)), manifest.encoded(receipt))
@@ -165,11 +165,10 @@ class BucketStore:
             return None
         target = self.bucket.set_aside_step(job, step, time.time_ns(), listing.pop(step), why)
         newest = max(bucket.committed_in(listing), default=None)
-        latest = self.bucket.location.key(job, layout.LATEST)
         if newest is None:
-            self.bucket.delete([latest])
+            self.bucket.delete([self.bucket.location.key(job, layout.LATEST)])
         else:
-            self.bucket.put(latest, f"{newest}\n".encode())
+            self.bucket.point_latest(job, newest)
         return target
 
     def read_into(self, job: str, step: int, entry: manifest.FileEntry, payload: memoryview) -> tuple[int, str]:
