@@ -60,7 +60,7 @@ def run_config(total: int, ranks: int, reps: int, storage: Path, device: str, dl
                    "stowaway_shm": lambda: system.shm_bytes(shm_dir)}
         launch = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", run_id, "--nnodes", "1"]
         measure = ["--total-bytes", str(total), "--reps", str(reps), "--scratch", str(scratch), "--out", str(out),
-                   "--device", device]
+                   "--device", device, "--shm-dir", str(shm_dir)]
         if dlrover:
             saver = dlrover_saver.start(env, run_id, ROOT)
             readers |= {"dlrover_saver_private": lambda: system.status_bytes(saver.pid, "RssAnon"),

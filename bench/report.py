@@ -37,6 +37,10 @@ CONTEXT = (
     ("save while the previous persists / copy reference", "stowaway.save.overlapped.steady", (("reference.copy",),)),
     ("first save into the spare slot / copy reference", "stowaway.save.overlapped.first", (("reference.copy",),)),
     ("first save after reserve() / copy reference", "stowaway.save.reserved.first", (("reference.copy",),)),
+    # One slot per rank and a spare pooled by all: every rank saves again at once, one borrows the spare, the others
+    # wait for their own slots (docs/operator.md, "Pooled spare slots").
+    ("save while the previous persists, one spare pooled / copy reference", "stowaway.save.pooled.steady",
+     (("reference.copy",),)),
     # Issue 23 bounds it at 1.0: reserve(wait=True) readies the first save's slot for no more than first-touching
     # the same bytes costs, and so no more than the cold first save it replaces.
     ("reserve(wait=True) / first-touch reference", "stowaway.reserve.first", (("reference.first_touch.first",),)),
@@ -106,6 +110,10 @@ ROWS = (
     ("stowaway.save.steady.cpu", "Stowaway save, steady, CPU time"),
     ("stowaway.save.overlapped.first", "Stowaway save while the previous persists, first into the spare slot"),
     ("stowaway.save.overlapped.steady", "Stowaway save while the previous persists, steady"),
+    ("stowaway.save.pooled.first", "Stowaway save while the previous persists, one slot per rank and a pooled spare, "
+                                   "first"),
+    ("stowaway.save.pooled.steady", "Stowaway save while the previous persists, one slot per rank and a pooled spare, "
+                                    "steady"),
     ("stowaway.committed.first", "Stowaway committed, first"),
     ("stowaway.committed.steady", "Stowaway committed, steady"),
     ("stowaway.restore.memory", "Stowaway restore from shared memory"),
@@ -167,6 +175,7 @@ FOOTPRINT = (
     ("sidecar_peak_rss_bytes", "peak RSS of the sidecar (with the slots it maps), MiB", 0),
     ("sidecar_peak_private_bytes", "peak private memory of the sidecar (RssAnon), MiB", 0),
     ("stowaway_peak_shm_bytes", "peak shared memory of Stowaway's slots (all ranks), MiB", 0),
+    ("stowaway_pooled_shm_bytes", "shared memory with one slot per rank and a pooled spare (all ranks), MiB", 0),
     ("page_cache_growth_bytes", "page-cache growth during persist, MiB", 1),
     ("dlrover_rank_peak_rss_bytes", "DLRover: peak RSS of a rank (state, its shared memory and restores), MiB", 0),
     ("dlrover_saver_peak_rss_bytes", "DLRover: peak RSS of its saver (with the shared memory it maps), MiB", 0),
@@ -254,6 +263,29 @@ def context_table(results: list[dict[str, Any]], ratios_of: Ratios = CONTEXT, wi
     return "\n".join(lines)
 
 
+# Issue 23's bounds on the save-phase footprint with pooled spares, against DLRover's, by rank count (others: none).
+POOLED_FOOTPRINT_BOUNDS = {1: 1.55, 8: 1.1}
+
+
+def footprint_table(results: list[dict[str, Any]]) -> str:
+    """The save-phase footprint beside the state: shared memory plus the saver's private memory, Stowaway's (two
+    slots per rank, and one slot per rank with a pooled spare) over DLRover's. Empty without DLRover."""
+    keys = ("stowaway_peak_shm_bytes", "stowaway_pooled_shm_bytes", "sidecar_peak_private_bytes",
+            "dlrover_peak_shm_bytes", "dlrover_saver_peak_private_bytes")
+    if not all(key in result for result in results for key in keys):
+        return ""
+    lines = ["| checkpoint | ranks | two slots per rank / DLRover | one slot per rank and a pooled spare / DLRover |",
+             "|---|---:|---:|---:|"]
+    for result in results:
+        dlrover = result["dlrover_peak_shm_bytes"] + result["dlrover_saver_peak_private_bytes"]
+        two = (result["stowaway_peak_shm_bytes"] + result["sidecar_peak_private_bytes"]) / dlrover
+        pooled = (result["stowaway_pooled_shm_bytes"] + result["sidecar_peak_private_bytes"]) / dlrover
+        bound = POOLED_FOOTPRINT_BOUNDS.get(result["ranks"])
+        verdict = "" if bound is None else f" {'✓' if pooled <= bound else '✗'} (≤ {bound})"
+        lines.append(f"| {size_label(result['total'])} | {result['ranks']} | {two:.2f} | {pooled:.2f}{verdict} |")
+    return "\n".join(lines)
+
+
 def times_table(results: list[dict[str, Any]]) -> str:
     """One row per measurement, one column per rank count: median (min-max) in milliseconds."""
     header = "| milliseconds: median (min-max) | " + " | ".join(f"{r['ranks']} ranks" for r in results) + " |"
@@ -280,6 +312,10 @@ def markdown(results: list[dict[str, Any]], command: str, machine: str) -> str:
     if against_dlrover:
         sections += ["\n### Against DLRover's flash checkpoint (medians, steady state; below 1 means Stowaway is "
                      "faster)\n", against_dlrover]
+    footprint = footprint_table(results)
+    if footprint:
+        sections += ["\n### Save-phase footprint against DLRover's (shared memory plus the saver's private "
+                     "memory)\n", footprint]
     for size in sorted({r["total"] for r in results}):
         same = sorted((r for r in results if r["total"] == size), key=lambda r: r["ranks"])
         sections += [f"\n### {size_label(size)} in total\n", times_table(same)]

@@ -183,6 +183,39 @@ def _measure_saves(run: Run, ckpt: Checkpointer, training: dict[str, Any], extra
             after_each_steady()
 
 
+def measure_pooled_spare(run: Run, training: dict[str, Any], extra: dict[str, Any], shm_dir: Path) -> None:
+    """One slot per rank and one spare pooled by them all: what that holds in shared memory, and saves made
+    while the previous one persists.
+
+    Under a job of its own, so that its steps and slot files stand apart
+    from the other phases'. Each rank saves twice in a row, as the ranks of
+    a job do when they all save at one step: the first rank to make its
+    second save borrows the spare, the others wait for their own slots, and
+    the slowest rank's time is what the job waits. The shared memory is
+    counted once every rank has saved, and the job's files are then
+    unlinked, so that the shared memory sampled over the later phases is
+    theirs alone (the sidecar still maps these files until it exits).
+    """
+    job = f"{os.environ['STOWAWAY_JOB']}-pooled"
+    with Checkpointer(job=job, slots=1, pooled_spares=1, timeout=1800) as ckpt:
+        for rep in range(run.reps + 1):
+            run.start()
+            first = ckpt.save(2 * rep, training)
+            started = time.perf_counter()
+            second = ckpt.save(2 * rep + 1, training)
+            run.sync()
+            run.record(f"stowaway.save.pooled.{'first' if rep == 0 else 'steady'}", time.perf_counter() - started)
+            first.wait()
+            second.wait()
+        dist.barrier()
+        if run.rank == 0:
+            extra["stowaway_pooled_shm_bytes"] = system.shm_bytes(shm_dir, f"{job}.")
+    dist.barrier()
+    if run.rank == 0:
+        for path in shm_dir.glob(f"{job}.*"):
+            path.unlink()
+
+
 def measure_overlapped_saves(run: Run, training: dict[str, Any]) -> None:
     """A first save after ``reserve``, then saves made while the previous one still persists, into a second slot.
 
@@ -332,6 +365,7 @@ def main() -> None:
     parser.add_argument("--scratch", type=Path, required=True, help="directory for the references and peers")
     parser.add_argument("--out", type=Path, required=True, help="JSON file rank 0 writes")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the training state lives")
+    parser.add_argument("--shm-dir", type=Path, required=True, help="the sidecar's shared-memory directory")
     parser.add_argument("--dlrover", action="store_true",
                         help="measure DLRover too (its saver must run: python -m bench starts it)")
     args = parser.parse_args()
@@ -344,6 +378,7 @@ def main() -> None:
     run = Run(args.reps, args.scratch, device)
     training = state.build(args.total_bytes // dist.get_world_size(), seed=run.rank, device=device)
     extra: dict[str, Any] = {"bytes": run.slowest(state.nbytes_of(training)) * dist.get_world_size()}
+    measure_pooled_spare(run, training, extra, args.shm_dir)
     measure_stowaway_and_references(run, training, extra)
     measure_overlapped_saves(run, training)
     measure_torch_save(run, training)

@@ -78,6 +78,7 @@ def test_the_harness_measures_dlrover_beside_stowaway_and_draws_the_run(bench_py
     assert result["stowaway_peak_shm_bytes"] >= 16 * 2**20 * 0.99
     markdown = (tmp_path / "out" / "results.md").read_text()
     assert "DLRover 0.6.1" in markdown and "### Against DLRover's flash checkpoint" in markdown
+    assert "| 16 MiB | 1 |" in markdown.split("### Save-phase footprint against DLRover's")[1]
     assert all(f"| {label} |" in markdown for key, label in report.ROWS if key in DLROVER_KEYS)
     assert {path.name for path in (tmp_path / "out").glob("*.png")} == {"times-16MiB.png", charts.SUMMARY}
     assert runs_of_dlrover() == before, "DLRover's sockets or shared memory outlived the run"

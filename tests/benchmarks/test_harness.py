@@ -50,6 +50,10 @@ def assert_everything_measured(tmp_path: Path, ranks: list[int], expected_keys: 
             expected = 1 if key.endswith(".first") else 2
             assert len(values) == expected and all(v > 0 for v in values), f"{key}: {values}"
         assert result["sidecar_peak_private_bytes"] > 0 and result["rank_peak_rss_bytes"] > 0
+        # One slot per rank and one spare: (N + 1) / N of the state, less than two slots per rank from 2 ranks on.
+        pooled, ranks_of = result["stowaway_pooled_shm_bytes"], result["ranks"]
+        assert pooled >= result["bytes"] * (ranks_of + 1) / ranks_of * 0.99
+        assert ranks_of == 1 or pooled < result["stowaway_peak_shm_bytes"]
     markdown = (tmp_path / "out" / "results.md").read_text()
     assert "save blocking / copy reference" in markdown and f"| 8 MiB | {ranks[-1]} |" in markdown
     assert all(f"{label} |" in markdown for label, _ in report.CPU_FLOORS)

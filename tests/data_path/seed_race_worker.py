@@ -25,7 +25,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     rng = random.Random(rank)
     handles = []
-    with Checkpointer(slots=2, timeout=120) as ckpt:
+    with Checkpointer(timeout=120) as ckpt:  # slots and pooled spares from the environment (2 and 0)
         for step in range(saves):
             state = {"x": torch.full((numel,), float(rank * 100_000 + step)), "step": step,
                      "tail": torch.arange(rng.randrange(1, 64), dtype=torch.int32) + step}

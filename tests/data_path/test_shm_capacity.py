@@ -42,3 +42,36 @@ def test_the_shared_memory_check_counts_what_this_job_already_holds(start_sideca
         with Checkpointer(job="regrow", socket=sidecar.socket, rank=0, world_size=1, timeout=30) as ckpt:
             for step in range(4):
                 ckpt.save(step, {"w": torch.zeros(2**20)}).wait(30)  # 2 x 4 MiB slots, reused, not re-counted
+
+
+def test_one_slot_per_rank_and_a_pooled_spare_fit_where_two_slots_per_rank_do_not(start_sidecar, short_tmp):
+    import torch
+
+    state = {"w": torch.zeros(2**20)}  # 4 MiB
+    with tmpfs(short_tmp / "shm", "14m") as shm:
+        sidecar = start_sidecar(extra=["--shm-dir", str(shm)])
+        with (Checkpointer(job="two", socket=sidecar.socket, rank=0, world_size=2, local_world_size=2,
+                           timeout=5) as ckpt,
+              pytest.raises(ShmCapacityError, match=r"2 local rank\(s\) need 16\.0 MiB")):
+            ckpt.reserve(state)
+        pooled = [Checkpointer(job="pool", socket=sidecar.socket, rank=rank, world_size=2, local_world_size=2,
+                               slots=1, pooled_spares=1, timeout=30) for rank in (0, 1)]
+        try:
+            # Two saves in a row on each rank, the second while the first may still persist: into the spare, then.
+            handles = [ckpt.save(step, state) for step in (1, 2) for ckpt in pooled]
+            for handle in handles:
+                handle.wait(30)
+        finally:
+            for ckpt in pooled:
+                ckpt.close()
+        assert sorted(path.name for path in shm.glob("pool.*")) == [
+            "pool.pool.slot00", "pool.rank00000.slot00", "pool.rank00001.slot00"]
+
+    with tmpfs(short_tmp / "shm", "8m") as shm:
+        sidecar = start_sidecar("small", extra=["--shm-dir", str(shm)])
+        with (Checkpointer(job="pool", socket=sidecar.socket, rank=0, world_size=2, local_world_size=2, slots=1,
+                           pooled_spares=1, timeout=5) as ckpt,
+              pytest.raises(ShmCapacityError) as raised):
+            ckpt.reserve(state)
+        assert "2 local rank(s) need 12.0 MiB for their slots (4.0 MiB each and 4.0 MiB of pooled spares)" in str(
+            raised.value)

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from stowaway import Checkpointer, UnsupportedState
+from stowaway.protocol.messages import POOLED_SLOT_BASE
+from stowaway.slots import header, naming
 
 
 @pytest.fixture(autouse=True)
@@ -150,6 +152,30 @@ def test_every_save_of_a_training_loop_restores_its_own_values(start_sidecar, or
             restored = ckpt.load(step)[1]
             assert_same(restored, saved[step])
             assert_aliasing(restored)
+
+
+def test_a_state_saved_into_a_pooled_spare_restores_the_same(start_sidecar, original, caplog):
+    # One slot per rank and a pooled spare: the second save, made while the first persists (slowly), goes into
+    # the spare. Its step comes back from storage (a spare's header does not say whose step it holds), the
+    # first's from memory, each the state it saved.
+    sidecar = start_sidecar(extra=["--write-rate-limit", str(2**20)])
+    saved, handles = {}, []
+    with Checkpointer(job="pooled", socket=sidecar.socket, rank=0, world_size=1, slots=1, pooled_spares=1,
+                      timeout=60) as ckpt:
+        for step in (1, 2):
+            original["python"].update(int=step, s="é" * step)
+            original["model"]["0.weight"].add_(1)
+            handles.append(ckpt.save(step, original))
+            saved[step] = copy.deepcopy(original)
+        for handle in handles:
+            handle.wait(60)
+        spare = naming.slot_path(sidecar.shm_dir, "pooled", 0, POOLED_SLOT_BASE)
+        assert header.read(spare.read_bytes()[:64]).step == 2, "the second save did not go into the spare"
+        for step, source in ((1, "memory"), (2, "storage")):
+            restored = ckpt.load(step)[1]
+            assert_same(restored, saved[step])
+            assert_aliasing(restored)
+            assert f"restored step {step} from {source}" in caplog.text
 
 
 def test_the_stored_file_is_a_valid_safetensors_file(start_sidecar, storage, original):

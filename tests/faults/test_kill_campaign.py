@@ -18,6 +18,11 @@ It runs twice: with blocking saves, and with ``save(overlap=True)``, where
 mid-staging. Such a slot stays torn: the rank never handed it over, and the
 trial checks that storage holds no file of it for that step.
 
+A third run gives each rank one slot and the two ranks one pooled spare.
+Each trial then saves a step ahead of the one it aims at, so that the
+aimed save finds its rank's slot still persisting and borrows the spare,
+and a kill lands while the spare is being written or persisted.
+
 ``STOWAWAY_FAULT_TRIALS`` sets the number of trials (CI runs a few; see
 docs/reliability.md for the long run), ``STOWAWAY_FAULT_SEED`` replays a run,
 ``STOWAWAY_FAULT_REPORT`` names a JSON file that receives the tally.
@@ -40,6 +45,7 @@ from pathlib import Path
 import pytest
 from data_path.processes import RankProcess, SidecarProcess, wait_for
 
+from stowaway.protocol.messages import POOLED_SLOT_BASE
 from stowaway.slots import header, naming
 from stowaway.storage import catalog, layout, manifest
 
@@ -56,6 +62,7 @@ BIG = 2**20  # 8 MiB per rank, so that a slot stays WRITING long enough to be ca
 RATE = 8 * 2**20  # bytes/s: a 1 MiB persist lasts about 125 ms, long enough to be caught mid-copy
 STAGING = 4 * BIG  # 32 MiB per rank: the copy thread copies for milliseconds after save() returned
 STAGING_ATTEMPTS = 5  # trials aimed at a rank's copy thread before the overlapped run gives up on catching it
+POOLED = {"STOWAWAY_SLOTS_PER_RANK": "1", "STOWAWAY_POOLED_SPARES": "1"}
 
 
 class Point(enum.IntEnum):
@@ -82,6 +89,9 @@ class Tally:
     by_victim_target: Counter[str] = field(default_factory=Counter)
     by_victim_landed: Counter[str] = field(default_factory=Counter)
     overlap: bool = False
+    pooled: bool = False
+    # Trials in which a rank wrote the pooled spare (pooled only).
+    spare_written: int = 0
     torn_slots_left: int = 0
     # Of those, slots whose save() had returned: killed while the copy thread copied (overlap only).
     killed_mid_staging: int = 0
@@ -100,6 +110,7 @@ class Campaign:
     def __init__(self, sidecar: SidecarProcess, start_rank: Callable[..., RankProcess], storage: Path,
                  tally: Tally) -> None:
         self.overlap = tally.overlap
+        self.pooled = tally.pooled
         self.sidecar = sidecar
         self.start_rank = start_rank
         self.job_path = storage / JOB
@@ -107,9 +118,12 @@ class Campaign:
         self.ranks = [self._start(rank) for rank in range(WORLD)]
         self.committed: set[int] = set()
         self.verified: set[int] = set()
+        # The spare's generation as the trial began: a spare a rank left torn in an earlier trial is not this one's.
+        self.spare_before: int | None = None
 
     def _start(self, rank: int) -> RankProcess:
-        return self.start_rank(self.sidecar, job=JOB, rank=rank, world_size=WORLD)
+        return self.start_rank(self.sidecar, job=JOB, rank=rank, world_size=WORLD,
+                               extra_env=POOLED if self.pooled else None)
 
     def point(self, step: int, ranks: list[int]) -> Point:
         step_path = layout.step_dir(self.job_path, step)
@@ -129,15 +143,24 @@ class Campaign:
         return Point.QUIET
 
     def slot_headers(self, ranks: list[int]) -> list[header.SlotHeader]:
-        found = []
-        for rank in ranks:
-            for index in range(SLOTS):
-                try:
-                    with open(naming.slot_path(self.sidecar.shm_dir, JOB, rank, index), "rb") as handle:
-                        found.append(header.read(handle.read(64)))
-                except (OSError, header.SlotHeaderError):
-                    continue  # not created yet, or created and not yet initialised
-        return found
+        """The headers of these ranks' slots, and of the pooled spare if written in this trial (by any rank)."""
+        found = [self._header(naming.slot_path(self.sidecar.shm_dir, JOB, rank, index))
+                 for rank in ranks for index in range(SLOTS)]
+        spare = self.spare_header()
+        if spare is not None and spare.generation != self.spare_before:
+            found.append(spare)
+        return [one for one in found if one is not None]
+
+    def spare_header(self) -> header.SlotHeader | None:
+        return self._header(naming.slot_path(self.sidecar.shm_dir, JOB, 0, POOLED_SLOT_BASE)) if self.pooled else None
+
+    @staticmethod
+    def _header(path: Path) -> header.SlotHeader | None:
+        try:
+            with open(path, "rb") as handle:
+                return header.read(handle.read(64))
+        except (OSError, header.SlotHeaderError):
+            return None  # not created yet, or created and not yet initialised
 
     def trial(self, rng: random.Random, mid_staging: bool = False) -> None:
         """One trial; ``mid_staging`` aims at a rank whose ``save(overlap=True)`` has returned and still copies."""
@@ -147,6 +170,13 @@ class Campaign:
         if mid_staging:
             victim, target = "rank", Point.WRITING
         step = max(self.committed, default=0) + 1
+        if self.pooled:
+            # A step ahead, persisting (slowly) as the aimed one is saved: the first rank to save it borrows the spare.
+            spare = self.spare_header()
+            self.spare_before = None if spare is None else spare.generation
+            for rank in self.ranks:
+                assert "saved" in rank.save(step, numel=SMALL, overlap=self.overlap)
+            step += 1
         watched = list(range(WORLD)) if victim == "sidecar" else [victim_rank]
         numel = (STAGING if mid_staging else BIG) if target is Point.WRITING else SMALL
         self.tally.by_victim_target[f"{victim} at {target.name}{' after save()' if mid_staging else ''}"] += 1
@@ -175,6 +205,11 @@ class Campaign:
             self._collect_save_replies(self.ranks)  # saves blocked on the dead sidecar went to the new one
         else:
             self.ranks[victim_rank].kill()
+            survivors = [r for i, r in enumerate(self.ranks) if i != victim_rank]
+            self._collect_save_replies(survivors)
+            if self.pooled and self.overlap:  # a spare a survivor still copies into is not the victim's torn one
+                for rank in survivors:
+                    wait_for(lambda rank=rank: rank.call(op="staged", step=step)["staged"], "a survivor's copy")
             torn = any(found.state is header.SlotState.WRITING for found in self.slot_headers([victim_rank]))
             returned = returned or any("saved" in answer for answer in self.ranks[victim_rank].replies_left())
             if torn:
@@ -182,7 +217,8 @@ class Campaign:
                 # A blocking save publishes its slot before it returns; only an overlapped one returns first.
                 assert self.overlap or not returned, f"step {step}: a blocking save returned with its slot torn"
                 self.tally.killed_mid_staging += int(returned)
-            self._collect_save_replies([r for i, r in enumerate(self.ranks) if i != victim_rank])
+        spare = self.spare_header()
+        self.tally.spare_written += int(spare is not None and spare.generation != self.spare_before)
         # Settle before load(): SIGTERM drains what the sidecar still persists or commits, so every rank's
         # load() sees the same committed steps. Without a process group nothing else makes ranks agree while
         # a commit is in flight (client/agreement.py), and a training job restarts its ranks after a crash.
@@ -249,12 +285,13 @@ class Campaign:
 
 
 @pytest.mark.timeout(120 + 40 * TRIALS)
-@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+@pytest.mark.parametrize(("overlap", "pooled"), [(False, False), (True, False), (False, True)],
+                         ids=["blocking", "overlapped", "pooled-spare"])
 def test_kill_9_at_random_points_never_tears_or_loses_a_committed_checkpoint(
-    start_sidecar, start_rank, storage, capsys, overlap
+    start_sidecar, start_rank, storage, capsys, overlap, pooled
 ):
-    tally = Tally(SEED, overlap=overlap)
-    mode = "overlapped" if overlap else "blocking"
+    tally = Tally(SEED, overlap=overlap, pooled=pooled)
+    mode = "pooled-spare" if pooled else "overlapped" if overlap else "blocking"
     with capsys.disabled():
         print(f"\nkill campaign ({mode} saves): {TRIALS} trials, seed {SEED} (replay: STOWAWAY_FAULT_SEED={SEED})",
               flush=True)
@@ -292,9 +329,10 @@ def test_kill_9_at_random_points_never_tears_or_loses_a_committed_checkpoint(
                            capture_output=True, text=True, timeout=600)
     assert every.returncode == 0, every.stdout[-3000:] + every.stderr
     assert tally.trials == aimed + TRIALS and tally.lost == 0 and tally.torn == 0
+    assert not pooled or tally.spare_written >= TRIALS // 2, f"the spare was written in few trials: {tally}"
     with capsys.disabled():
         print(f"kill campaign ({mode} saves): {json.dumps(tally.as_json(), sort_keys=True)}", flush=True)
     if REPORT:
-        # One file per mode: the blocking run's at the path given, the overlapped run's beside it.
-        path = Path(REPORT) if not overlap else Path(REPORT).with_stem(f"{Path(REPORT).stem}-overlapped")
+        # One file per mode: the blocking run's at the path given, the others' beside it.
+        path = Path(REPORT) if mode == "blocking" else Path(REPORT).with_stem(f"{Path(REPORT).stem}-{mode}")
         path.write_text(json.dumps(tally.as_json(), indent=2, sort_keys=True) + "\n")

@@ -49,6 +49,7 @@ CLAIM = {"persistentVolumeClaim": {"claimName": "ckpts"}}
          "subPath must stay inside the claim"),
         ({"storage": CLAIM, "sharedMemory": {"sizeLimit": "lots"}}, "sizeLimit must be a quantity of at least 64Mi"),
         ({"storage": CLAIM, "sharedMemory": {"sizeLimit": "1Mi"}}, "sizeLimit must be a quantity of at least 64Mi"),
+        ({"storage": CLAIM, "sharedMemory": {"pooledSpares": 9}}, "spec.sharedMemory.pooledSpares: Invalid value: 9"),
         ({"storage": CLAIM, "retention": {"keepLast": 0}}, "spec.retention.keepLast: Invalid value: 0"),
         ({"storage": CLAIM, "sidecar": {"metricsPort": 80}}, "spec.sidecar.metricsPort: Invalid value: 80"),
         ({"storage": CLAIM, "persistence": {"checksum": "md5"}}, 'supported values: "xxh3-64"'),

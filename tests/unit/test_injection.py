@@ -178,7 +178,11 @@ def test_trainer_gets_socket_job_and_slots_environment() -> None:
         {"name": "STOWAWAY_SOCKET", "value": "/var/run/stowaway/sidecar/sidecar.sock"},
         {"name": "STOWAWAY_JOB", "value": "train"},
         {"name": "STOWAWAY_SLOTS_PER_RANK", "value": "3"},
+        {"name": "STOWAWAY_POOLED_SPARES", "value": "0"},
     ]
+    pooled = policy_spec(sharedMemory={"slotsPerRank": 1, "pooledSpares": 1})
+    env = injected(spec=pooled)["spec"]["containers"][0]["env"]
+    assert {"name": "STOWAWAY_POOLED_SPARES", "value": "1"} in env
 
 
 def test_environment_the_user_already_set_wins() -> None:

@@ -8,9 +8,12 @@ import pytest
 
 from stowaway.client.ledger import IllegalTransition, Ownership, SlotLedger, SlotState
 from stowaway.errors import ProtocolError
+from stowaway.protocol.messages import POOLED_SLOT_BASE
 
 IDLE, ALLOCATING, WRITING = SlotState.IDLE, SlotState.ALLOCATING, SlotState.WRITING
 PERSISTING, STAGING, HELD, UNCONFIRMED = SlotState.PERSISTING, SlotState.STAGING, SlotState.HELD, SlotState.UNCONFIRMED
+POOLED = SlotState.POOLED
+SPARE = POOLED_SLOT_BASE
 
 
 @pytest.fixture
@@ -125,7 +128,7 @@ def test_an_answer_that_does_not_fit_the_hand_over_is_a_protocol_error(ledger, h
 
 
 def test_an_answer_for_a_slot_this_rank_does_not_have_is_a_protocol_error(ledger):
-    with pytest.raises(ProtocolError, match="released for slot 5 step 1: this rank has 3 slots"):
+    with pytest.raises(ProtocolError, match=r"released for slot 5 step 1: this rank has no such slot \(slots \[0"):
         ledger.released(5, step=1, generation=1)
 
 
@@ -194,3 +197,57 @@ def test_every_move_wakes_whoever_waits_on_the_lock():
     ledger.released(0, step=1, generation=1)
     waiter.join(timeout=30)
     assert woken.is_set(), "the waiter slept through the slot's return"
+
+
+class _Returns(list[int]):
+    """The spares the ledger said this rank gave up, in order: the rank lets go of their locks then."""
+
+
+@pytest.fixture
+def pooled() -> tuple[SlotLedger, _Returns]:
+    returns = _Returns()
+    return SlotLedger(1, threading.Condition(), pooled=2, returned=returns.append), returns
+
+
+def test_a_pooled_spare_is_never_idle_and_goes_back_to_the_pool_with_its_answer(pooled):
+    ledger, returns = pooled
+    assert ledger.states() == [IDLE, POOLED, POOLED] and ledger.idle() == [0]
+    assert ledger.pooled() == [SPARE, SPARE + 1]
+    ledger.borrow(SPARE)
+    ledger.persisting(SPARE, step=3, generation=4)
+    assert ledger.held_by_sidecar() == [Ownership(PERSISTING, 3, 4)] and returns == []
+    ledger.released(SPARE, step=3, generation=4)
+    assert ledger.state(SPARE) is POOLED and returns == [SPARE], "released: the rank lets go of the spare's lock"
+
+
+@pytest.mark.parametrize("how", ["abandon", "failed", "lost, welcomed not busy"])
+def test_a_spare_given_up_in_any_way_is_returned_once(pooled, how):
+    ledger, returns = pooled
+    ledger.borrow(SPARE + 1)
+    if how == "abandon":
+        ledger.abandon(SPARE + 1)
+    else:
+        ledger.persisting(SPARE + 1, step=1, generation=1)
+        if how == "failed":
+            assert ledger.failed(SPARE + 1, step=1) is PERSISTING
+        else:
+            ledger.lost()
+            assert ledger.state(SPARE + 1) is UNCONFIRMED and returns == [], "the sidecar may still read it"
+            ledger.welcomed(busy=[])
+    assert ledger.states() == [IDLE, POOLED, POOLED] and returns == [SPARE + 1]
+
+
+def test_a_spare_an_earlier_process_of_the_rank_handed_over_is_held_until_answered(pooled):
+    ledger, returns = pooled
+    ledger.welcomed(busy=[SPARE])
+    assert ledger.state(SPARE) is HELD
+    with pytest.raises(IllegalTransition, match="cannot borrow slot 64: it is held"):
+        ledger.borrow(SPARE)
+    ledger.released(SPARE, step=5, generation=1)
+    assert ledger.state(SPARE) is POOLED and returns == [SPARE]
+
+
+def test_a_rank_cannot_take_a_spare_it_has_not_borrowed(pooled):
+    ledger, _ = pooled
+    with pytest.raises(IllegalTransition, match="cannot take slot 64: it is pooled"):
+        ledger.take(SPARE)

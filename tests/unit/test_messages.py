@@ -87,12 +87,13 @@ def test_malformed_answers_of_the_sidecar_are_rejected_with_the_field_named(mess
 
 
 def test_slot_indices_are_bounded():
-    with pytest.raises(messages.MessageError, match="slot index 64"):
-        messages.Register(slot=64, capacity=1)
+    assert messages.Register(slot=64, capacity=1).slot == messages.POOLED_SLOT_BASE, "the first pooled spare"
+    with pytest.raises(messages.MessageError, match=r"slot index 72 is outside 0\.\.71"):
+        messages.Register(slot=72, capacity=1)
     with pytest.raises(messages.MessageError, match="slot index -1"):
         messages.decode({"type": "stage", "step": 1, "slot": -1}, TO_SIDECAR)
-    with pytest.raises(messages.MessageError, match="slot index 64"):
-        messages.decode({"type": "inventory", "committed": [], "memory": [{"step": 1, "slot": 64}],
+    with pytest.raises(messages.MessageError, match="slot index 99"):
+        messages.decode({"type": "inventory", "committed": [], "memory": [{"step": 1, "slot": 99}],
                          "other_world": []}, TO_CLIENT)
 
 

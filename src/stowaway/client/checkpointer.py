@@ -72,6 +72,15 @@ class Checkpointer:
     ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``; ``slots`` from ``STOWAWAY_SLOTS_PER_RANK``
     (set by the operator from the policy), else 2. ``timeout`` bounds every wait:
     for the sidecar, for a free slot, for an answer.
+
+    ``pooled_spares`` (``STOWAWAY_POOLED_SPARES``, else 0) is the number of
+    spare slots the pod's ranks share: a save that finds every slot of its
+    rank's still persisting borrows a free one instead of waiting. Every
+    rank of the pod must be given the same number. With ``slots=1`` and one
+    pooled spare, a pod of N ranks holds (N + 1) / N of its state in shared
+    memory instead of twice it, and one of its ranks at a time may save
+    again before its last save is persisted (docs/operator.md, "Pooled
+    spare slots").
     """
 
     def __init__(
@@ -85,6 +94,7 @@ class Checkpointer:
         timeout: float = DEFAULT_TIMEOUT,
         *,
         local_world_size: int | None = None,
+        pooled_spares: int | None = None,
         allow_pickle: bool = False,
         run_id: str | None = None,
     ) -> None:
@@ -98,6 +108,10 @@ class Checkpointer:
         slots = env.integer(slots, "STOWAWAY_SLOTS_PER_RANK", 2)
         if not 1 <= slots <= messages.MAX_SLOTS_PER_RANK:
             raise ConfigurationError(f"slots must be between 1 and {messages.MAX_SLOTS_PER_RANK}, got {slots}")
+        pooled_spares = env.integer(pooled_spares, "STOWAWAY_POOLED_SPARES", 0)
+        if not 0 <= pooled_spares <= messages.MAX_POOLED_SPARES:
+            raise ConfigurationError(
+                f"pooled_spares must be between 0 and {messages.MAX_POOLED_SPARES}, got {pooled_spares}")
         if timeout <= 0:
             raise ConfigurationError(f"timeout must be positive, got {timeout}")
         self.timeout = timeout
@@ -111,9 +125,10 @@ class Checkpointer:
         # One lock for everything the reader thread changes; waits on it end at the timeout.
         self._lock = threading.Condition()
         self._link = link.Link(self.socket_path, self._hello(), timeout, self._lock)
-        self._ledger = ledger.SlotLedger(slots, self._lock)
+        self._ledger = ledger.SlotLedger(slots, self._lock, pooled_spares,
+                                         returned=lambda index: self._slots.spare_returned(index))
         self._slots = rank_slots.RankSlots(self.job, self.rank, slots, self.local_world_size, self._link,
-                                           self._ledger, self._lock)
+                                           self._ledger, self._lock, pooled_spares)
         self._saves = SavesInFlight(self.rank)
         self._stager = staging.Stager(self.rank, timeout)
         self._restorer = restorer.Restorer(self.job, self.rank, self.world_size, self.local_world_size, allow_pickle,
@@ -170,7 +185,7 @@ class Checkpointer:
         waiting = time.perf_counter()
         if overlap:
             return self._save_overlapped(step, encoded, run, started, waiting)
-        with self._slots.taken(step) as slot:
+        with self._slots.taken(step, borrow=True) as slot:
             slot_wait = time.perf_counter() - waiting
             generation = self._slots.write(slot, step, encoded)
             blocking = time.perf_counter() - started
@@ -183,7 +198,7 @@ class Checkpointer:
     def _save_overlapped(self, step: int, encoded: codec.Encoded, run: str, started: float,
                          waiting: float) -> SaveHandle:
         """Take a slot, queue the device copies, and leave the rest of the copy and the persist to the copy thread."""
-        slot = self._slots.take(step)
+        slot = self._slots.take(step, borrow=True)
         host_now = staging.copies_host_tensors_itself(encoded.sources, bool(encoded.cuda_devices))
         try:
             slot_wait = time.perf_counter() - waiting

@@ -1,4 +1,5 @@
-"""The rank's slot files: found, allocated, grown, mapped, and allocated anew when the sidecar lost them.
+"""The rank's slot files: found, allocated, grown, mapped, and allocated anew when the sidecar lost them; and the
+pod's pooled spares, borrowed and given back.
 
 Which of them the rank may write at a given moment is the ledger's to say
 (``ledger``); this module only ever touches a slot the caller has been
@@ -9,6 +10,12 @@ The sidecar opens a slot by its path in its own shared-memory directory
 A sidecar that comes back with an emptied directory, or with another one,
 cannot open the files the rank still maps: such a slot is forgotten and
 allocated again, in the sidecar's directory, before it is next registered.
+
+A pooled spare is written only under its write lock (``slots.pooled_lock``):
+``borrow`` takes it, ``hand_over`` turns it into a read lock for the
+persist, ``give_back`` lets go once the ledger says the rank has given the
+spare up. The file stays open and mapped between loans, so a rank that
+borrows it again pays no page faults, unless another rank grew it meanwhile.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 from stowaway.client import pinned
 from stowaway.format import codec
 from stowaway.format.safetensors_header import Layout, Placed
+from stowaway.protocol.messages import POOLED_SLOT_BASE
 from stowaway.slots import header, naming, shm
 
 log = logging.getLogger("stowaway")
@@ -90,12 +98,60 @@ class ClientSlot:
 
 
 class SlotPool:
-    def __init__(self, shm_dir: Path, job: str, rank: int, count: int, local_world_size: int) -> None:
+    def __init__(self, shm_dir: Path, job: str, rank: int, count: int, local_world_size: int,
+                 pooled: int = 0) -> None:
         self.shm_dir = shm_dir
         self.job = job
         self.rank = rank
         self.local_world_size = local_world_size
         self.slots = [ClientSlot(index) for index in range(count)]
+        self.pooled = [ClientSlot(POOLED_SLOT_BASE + spare) for spare in range(pooled)]
+
+    def slot(self, index: int) -> ClientSlot:
+        """The rank's own slot ``index``, or the pooled spare a slot index from ``POOLED_SLOT_BASE`` names."""
+        return self.pooled[index - POOLED_SLOT_BASE] if naming.is_pooled(index) else self.slots[index]
+
+    def borrow(self, spare: ClientSlot) -> bool:
+        """Take the pooled ``spare``'s write lock; False while another rank writes it or the sidecar reads it.
+
+        Once taken, the mapping follows the file as its last writer left it
+        (grown, perhaps), and this rank's next generation of it is newer than
+        any written before, whoever wrote it.
+        """
+        path = naming.slot_path(self.shm_dir, self.job, self.rank, spare.index)
+        if spare.file is not None and not spare.file.linked_at(path):
+            self._forget(spare)
+        if spare.file is None:
+            spare.file = shm.SlotFile.borrow_pooled(path)
+            spare.registered = False
+            if spare.file is None:
+                return False
+        elif not spare.file.try_lock(exclusive=True):
+            return False
+        if spare.file.stale:
+            spare.drop_view()
+            spare.file.refresh()
+            spare.registered = False
+        try:
+            spare.generation = max(spare.generation, spare.file.read_header().generation)
+        except header.SlotHeaderError:  # not a slot: this rank holds the write lock, and makes it one
+            header.write_empty(spare.file.header_view, spare.file.capacity)
+        return True
+
+    @staticmethod
+    def hand_over(spare: ClientSlot) -> None:
+        """Turn the borrowed ``spare``'s write lock into a read lock, as the persist hands it to the sidecar.
+
+        A conversion of the lock this rank holds alone: it cannot fail.
+        """
+        assert spare.file is not None
+        spare.file.try_lock(exclusive=False)
+
+    @staticmethod
+    def give_back(spare: ClientSlot) -> None:
+        """Let go of the ``spare``'s lock: another rank may borrow it from now on."""
+        if spare.file is not None:
+            spare.file.unlock()
 
     def adopt_existing(self) -> None:
         """Open slot files a previous process of this rank left, so their contents can be restored."""
@@ -117,9 +173,10 @@ class SlotPool:
 
         Checked only for a slot not registered on the current connection: a
         registered one the sidecar has opened, and both sides map the same
-        file, whatever has become of its name since.
+        file, whatever has become of its name since. A pooled spare is
+        checked by ``borrow``, before its lock is taken.
         """
-        if slot.registered or slot.file is None:
+        if slot.registered or slot.file is None or naming.is_pooled(slot.index):
             return
         if slot.file.linked_at(naming.slot_path(self.shm_dir, self.job, self.rank, slot.index)):
             return
@@ -153,7 +210,7 @@ class SlotPool:
         self.forget_if_lost(slot)
         if slot.capacity >= nbytes:
             return
-        target = int(nbytes * HEADROOM) if slot.file is not None else nbytes
+        target = int(nbytes * HEADROOM) if slot.file is not None and slot.file.sized else nbytes
         self.check_room(target)
         slot.drop_view()
         if slot.file is None:
@@ -164,18 +221,20 @@ class SlotPool:
         slot.registered = False
 
     def check_room(self, nbytes: int) -> None:
-        """Raise ``ShmCapacityError`` unless every slot of every local rank can hold ``nbytes``."""
+        """Raise ``ShmCapacityError`` unless every slot of every local rank, and every pooled spare, can hold
+        ``nbytes``."""
         per_slot = shm.file_size_for(max(nbytes, *(s.capacity for s in self.slots)))
         shm.check_capacity(
-            self.shm_dir, naming.job_slot_glob(self.job), per_slot * len(self.slots),
-            self.local_world_size, already_mine=self.allocated_bytes(),
+            self.shm_dir, (naming.job_slot_glob(self.job), naming.pooled_slot_glob(self.job)),
+            per_slot * len(self.slots), self.local_world_size, already_mine=self.allocated_bytes(),
+            pooled_bytes=per_slot * len(self.pooled),
         )
 
     def allocated_bytes(self) -> int:
         return sum(shm.file_size_for(s.capacity) for s in self.slots if s.file is not None)
 
     def close(self) -> None:
-        for slot in self.slots:
+        for slot in self.slots + self.pooled:
             slot.drop_view()
             if slot.file is not None:
                 slot.file.close()

@@ -5,6 +5,11 @@ welcome, which says where shared memory is; who holds each slot is the
 ledger's (``ledger``), and every change of holder goes through it. A slot
 taken here is back in the ledger as idle when the caller does not hand it
 over, whatever went wrong while it was being written.
+
+A save that finds none of the rank's own slots idle borrows one of the
+pod's pooled spares, if it has any and one is free; a load never does
+(it reads the slot after the sidecar's answer, when a spare is no longer
+the rank's).
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ from stowaway.client.spare_slots import SpareSlots
 from stowaway.errors import SlotWaitTimeout
 from stowaway.format import codec
 from stowaway.protocol import messages
-from stowaway.slots import header
+from stowaway.slots import header, naming
 
 
 class RankSlots:
     def __init__(self, job: str, rank: int, count: int, local_world_size: int, link: Link, ledger: SlotLedger,
-                 lock: threading.Condition) -> None:
+                 lock: threading.Condition, pooled: int = 0) -> None:
         self._job, self._rank, self._count, self._local_world_size = job, rank, count, local_world_size
+        self._pooled = pooled
         self._link = link
         self._ledger = ledger
         self._lock = lock
@@ -52,32 +58,38 @@ class RankSlots:
         writing it or the sidecar may still be reading it.
         """
         if self._pool is None:
-            self._pool = SlotPool(Path(welcome.shm_dir), self._job, self._rank, self._count, self._local_world_size)
+            self._pool = SlotPool(Path(welcome.shm_dir), self._job, self._rank, self._count, self._local_world_size,
+                                  self._pooled)
             self._pool.adopt_existing()
             self._spares = SpareSlots(self._pool, self._ledger)
         self._pool.shm_dir = Path(welcome.shm_dir)
-        for slot in self._pool.slots:
+        for slot in self._pool.slots + self._pool.pooled:
             slot.registered = False
         self._ledger.welcomed(set(welcome.busy))
 
     @contextmanager
-    def taken(self, step: int) -> Iterator[ClientSlot]:
+    def taken(self, step: int, borrow: bool = False) -> Iterator[ClientSlot]:
         """An idle slot for writing ``step`` (see ``take``): waits (bounded) for one; idle again unless handed over."""
-        slot = self.take(step)
+        slot = self.take(step, borrow)
         try:
             yield slot
         finally:
             self.give_back_unsent(slot)
 
-    def take(self, step: int) -> ClientSlot:
+    def take(self, step: int, borrow: bool = False) -> ClientSlot:
         """The largest idle slot, of those the least recently taken, for ``step`` (waits, bounded); the caller hands
-        it over or gives it back.
+        it over or gives it back. With ``borrow`` (a save), a free pooled spare when no slot of the rank's is idle.
 
         Least recently taken: when storage keeps up, every slot is idle at each save, and always writing the
         same one would overwrite the newest committed step in memory with the next; a rank killed in the middle
         of that write could then only restore from storage.
         """
-        return self._take(step)
+        return self._take(step, borrow)
+
+    def spare_returned(self, index: int) -> None:
+        """The ledger's word that this rank gave the pooled spare ``index`` up (lock held): let go of its lock."""
+        if self._pool is not None:
+            SlotPool.give_back(self._pool.slot(index))
 
     def give_back_unsent(self, slot: ClientSlot) -> None:
         """The taken ``slot`` is idle again unless it was handed over: whatever happened while it was written."""
@@ -135,7 +147,11 @@ class RankSlots:
 
     def persist(self, slot: ClientSlot, request: messages.Persist) -> bool:
         """Hand the taken ``slot`` to the sidecar to persist (lock held); False when the connection is down."""
-        if not (self._link.connected and slot.registered and self._link.send(request)):
+        if not (self._link.connected and slot.registered):
+            return False
+        if naming.is_pooled(slot.index):
+            SlotPool.hand_over(slot)
+        if not self._link.send(request):
             return False
         self._ledger.persisting(slot.index, request.step, request.generation)
         assert self._spares is not None
@@ -183,28 +199,50 @@ class RankSlots:
             if self._pool is not None:
                 self._pool.close()
 
-    def _take(self, step: int) -> ClientSlot:
-        def largest_idle() -> ClientSlot | None:
+    def _take(self, step: int, borrow: bool) -> ClientSlot:
+        taken: list[ClientSlot] = []
+
+        def found() -> bool:
+            """Take the largest idle slot, else borrow a spare (lock held); whether one is taken."""
+            if taken:
+                return True
             if not self._link.connected or self._pool is None:
-                return None
+                return False
             idle = [self._pool.slots[index] for index in self._ledger.idle()]
-            return max(idle, key=lambda slot: (slot.capacity, -slot.taken_at)) if idle else None
+            if idle:
+                slot = max(idle, key=lambda slot: (slot.capacity, -slot.taken_at))
+                self._ledger.take(slot.index)
+                taken.append(slot)
+            elif borrow and (spare := self._borrow()) is not None:
+                taken.append(spare)
+            return bool(taken)
 
         def describe() -> str:
             flights = [owned.step for owned in self._ledger.held_by_sidecar()]
-            held = (f"all {len(flights)} slots in flight" if len(flights) == self._count else
-                    f"{len(flights)} of {self._count} slots in flight, the others still being allocated")
-            return (f"a free slot for step {step} ({held}, steps {flights}): the sidecar persists slower than "
-                    "this rank saves; save less often, add slots, or check storage throughput")
+            own = sum(state.sidecar_may_hold for state in self._ledger.states()[:self._count])
+            held = (f"all {own} slots in flight" if own == self._count else
+                    f"{own} of {self._count} slots in flight, the others still being allocated")
+            pooled = (f", and the pod's {self._pooled} pooled spare(s) taken by other ranks" if self._pooled and borrow
+                      else "")
+            return (f"a free slot for step {step} ({held}, steps {flights}{pooled}): the sidecar persists slower "
+                    "than this rank saves; save less often, add slots, or check storage throughput")
 
-        self._link.wait_until(lambda: largest_idle() is not None, describe, SlotWaitTimeout)
+        self._link.wait_until(found, describe, SlotWaitTimeout)
         with self._lock:
-            slot = largest_idle()
-            assert slot is not None, "only this thread takes slots"
-            self._ledger.take(slot.index)
+            slot = taken[0]
             self._takes += 1
             slot.taken_at = self._takes
             return slot
+
+    def _borrow(self) -> ClientSlot | None:
+        """A pooled spare whose write lock this rank could take, borrowed (lock held); None while all are taken."""
+        assert self._pool is not None
+        for index in self._ledger.pooled():
+            spare = self._pool.slot(index)
+            if self._pool.borrow(spare):
+                self._ledger.borrow(index)
+                return spare
+        return None
 
     def _require_spares(self) -> SpareSlots:
         with self._lock:

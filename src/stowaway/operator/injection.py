@@ -263,6 +263,7 @@ def build_patch(pod: Mapping[str, Any], policy: str, spec: Mapping[str, Any], de
         {"name": "STOWAWAY_SOCKET", "value": SOCKET_PATH},
         {"name": JOB_ENV, "value": job},
         {"name": "STOWAWAY_SLOTS_PER_RANK", "value": str(spec["sharedMemory"]["slotsPerRank"])},
+        {"name": "STOWAWAY_POOLED_SPARES", "value": str(spec["sharedMemory"].get("pooledSpares", 0))},
     ]
     containers = [_with_client_mounts(c, client_env) for c in pod_spec.get("containers") or []]
     init_containers = [_with_client_mounts(c, client_env) for c in pod_spec.get("initContainers") or []]

@@ -27,12 +27,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, overload
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # \Z, not $: "$" also matches before a trailing newline, which would let "job\n" name a directory.
 JOB_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 NODE_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,252}\Z")
 MAX_SLOTS_PER_RANK = 64
+# A pod's pooled spare slots, shared by its ranks: spare k is slot index POOLED_SLOT_BASE + k on every rank's
+# connection, above the rank's own slots (docs/operator.md, "Pooled spare slots").
+POOLED_SLOT_BASE = MAX_SLOTS_PER_RANK
+MAX_POOLED_SPARES = 8
 # Descriptors one ``opened`` passes at most: the manifest and this many rank files. The kernel passes at
 # most 253 descriptors in one message (SCM_MAX_FD); a client asks for more files in several ``open``s.
 MAX_FILES_PER_OPEN = 252
@@ -54,8 +58,8 @@ class _Int64:
 
 class _SlotIndex:
     def check(self, where: str, value: int) -> None:
-        if not 0 <= value < MAX_SLOTS_PER_RANK:
-            raise MessageError(f"slot index {value} is outside 0..{MAX_SLOTS_PER_RANK - 1}")
+        if not 0 <= value < POOLED_SLOT_BASE + MAX_POOLED_SPARES:
+            raise MessageError(f"slot index {value} is outside 0..{POOLED_SLOT_BASE + MAX_POOLED_SPARES - 1}")
 
 
 # ``X | None`` is a types.UnionType, but ``Annotated[...] | None`` a typing.Union.
@@ -63,7 +67,7 @@ _UNIONS = (types.UnionType, typing.Union)
 
 # A step, generation, size or pid: what the slot header and the file names store.
 Int64 = Annotated[int, _Int64()]
-# A slot of one rank: slot files are named with two digits, and a rank has at most this many.
+# A slot of one rank (slot files are named with two digits, and a rank has at most this many), or a pooled spare.
 SlotIndex = Annotated[int, _SlotIndex()]
 # Where load() found the step it restored: a slot that still held it, or the storage (staged into a slot).
 RestoreSource = Literal["memory", "storage"]

@@ -83,6 +83,12 @@ class SidecarMetrics:
             "Copy time of save(overlap=True) the training loop did not wait for (staging less blocking and stall).",
             registry=r,
         )
+        self.pooled_spare_saves = Counter(
+            "stowaway_pooled_spare_saves",
+            "Saves written into one of the pod's pooled spare slots: their rank saved again before its own slot "
+            "was persisted.",
+            registry=r,
+        )
         self.persist_duration = Histogram(
             "stowaway_persist_duration_seconds",
             "Time from starting to copy a slot to storage until its file was durable.",

@@ -19,6 +19,7 @@ from stowaway.sidecar.commit import Committer
 from stowaway.sidecar.config import SidecarConfig
 from stowaway.sidecar.ranks import RankState
 from stowaway.sidecar.stats import Stats
+from stowaway.slots import naming
 from stowaway.storage import layout, manifest
 
 log = logging.getLogger(__name__)
@@ -41,11 +42,15 @@ class SavePipeline:
         if refusal is None:
             refusal = self._committer.admit(state.job, request.run, step, state.rank, state.world_size,
                                             state.local_world_size)
+        if refusal is None and not state.hold(slot):
+            refusal = (f"slot {slot} is a pooled spare another process holds the write lock of: "
+                       "a rank persists a spare only while it has borrowed it")
         if refusal is not None:
             state.send(messages.Failed(step=step, slot=slot, reason=refusal))
             return
-        state.busy.add(slot)
         self._stats.save_reported(request.blocking_seconds, request.slot_wait_seconds)
+        if naming.is_pooled(slot):
+            self._stats.pooled_spare_saved()
         self._stats.staging_reported(request)
         task = asyncio.create_task(self._persist(state, request), name=f"persist {state.job}/{state.rank}/{step}")
         self._tasks.add(task)
@@ -63,7 +68,7 @@ class SavePipeline:
                     self._limiter, lambda: self._committer.abandoned(state.job, request.run, step),
                 )
                 state.memory_digests[slot_index] = (request.generation, step, written.digest)
-                state.busy.discard(slot_index)
+                state.let_go(slot_index)
                 state.send(messages.Released(slot=slot_index, step=step, generation=request.generation))
                 await asyncio.to_thread(persister.make_durable, written)
                 self._stats.persist_finished(written.nbytes, time.monotonic() - started)
@@ -89,7 +94,7 @@ class SavePipeline:
     def _hand_back(state: RankState, slot: int, step: int, reason: str) -> None:
         """Give the rank its slot back, unless the persist had already released it."""
         if slot in state.busy:
-            state.busy.discard(slot)
+            state.let_go(slot)
             state.send(messages.Failed(step=step, slot=slot, reason=reason))
 
     async def drain(self, timeout: float) -> bool:

@@ -4,6 +4,11 @@ A slot listed in ``busy`` belongs to the sidecar: a persist or a stage is
 reading or writing it. Every other slot belongs to its rank. The sidecar
 never touches a slot it does not own, and it answers about a slot only on the
 rank's current connection, so an answer cannot reach another rank.
+
+A pooled spare is the pod's: the rank that borrowed it holds its lock
+(``slots.pooled_lock``), and the sidecar holds a read lock of its own for as
+long as the spare is busy, so no rank can take it to write meanwhile, even
+one whose borrower died mid-persist.
 """
 
 from __future__ import annotations
@@ -38,6 +43,19 @@ class RankState:
         """Deliver to the rank's current connection; a rank that is gone gets nothing."""
         if self.session is not None:
             self.session.send(message)
+
+    def hold(self, index: int) -> bool:
+        """Make the registered slot ``index`` the sidecar's; False for a pooled spare another process writes."""
+        if naming.is_pooled(index) and not self.slots[index].try_lock(exclusive=False):
+            return False
+        self.busy.add(index)
+        return True
+
+    def let_go(self, index: int) -> None:
+        """Give slot ``index`` back to the rank, before the answer that tells it so."""
+        self.busy.discard(index)
+        if naming.is_pooled(index) and index in self.slots:
+            self.slots[index].unlock()
 
     def open_slot(self, shm_dir: Path, index: int) -> SlotFile:
         old = self.slots.pop(index, None)

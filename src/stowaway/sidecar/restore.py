@@ -65,7 +65,7 @@ def inventory(store: step_store.StepStore, state: RankState) -> messages.Invento
 
 def _slot_holding(state: RankState, step: int, entry: manifest.FileEntry) -> int | None:
     for index, slot in state.slots.items():
-        if index in state.busy:
+        if index in state.busy or naming.is_pooled(index):  # a spare's header does not say whose step it holds
             continue
         slot.refresh()
         try:

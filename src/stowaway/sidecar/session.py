@@ -17,6 +17,7 @@ from stowaway.protocol import dispatch, frames, messages
 from stowaway.sidecar import restore
 from stowaway.sidecar.persister import PersistError
 from stowaway.sidecar.ranks import RankState
+from stowaway.slots import naming
 from stowaway.slots.header import SlotHeaderError
 from stowaway.storage import manifest, step_store
 
@@ -254,6 +255,8 @@ class Session:
     async def _stage(self, message: messages.Stage) -> None:
         state, step, index = self._rank(), message.step, message.slot
         self._owned_slot(state, index, "stage")
+        if naming.is_pooled(index):
+            raise SessionClosed(f"stage names slot {index}, a pooled spare: a rank restores into its own slots only")
         state.busy.add(index)
         store = self._sidecar.committer.store
         try:

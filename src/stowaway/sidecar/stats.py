@@ -53,6 +53,10 @@ class Stats:
             self.metrics.stall.observe(stall)
             self.metrics.overlap_hidden.inc(hidden)
 
+    def pooled_spare_saved(self) -> None:
+        """A save borrowed a pooled spare: how often the pod's ranks outran their own slots."""
+        self.metrics.pooled_spare_saves.inc()
+
     def restored(self, source: str, seconds: float) -> None:
         """A rank's report of one restore; its duration is the rank's measurement, so nonsense is dropped."""
         self.metrics.restores.labels(source).inc()

@@ -61,8 +61,8 @@ def read(buffer: memoryview | bytearray | bytes) -> SlotHeader:
     return SlotHeader(slot_state, step, generation, commit_gen, nbytes, capacity)
 
 
-def write_empty(buffer: memoryview, capacity: int) -> None:
-    _FIELDS.pack_into(buffer, 0, MAGIC, LAYOUT_VERSION, SlotState.EMPTY, -1, 0, 0, 0, capacity)
+def write_empty(buffer: memoryview, capacity: int, generation: int = 0) -> None:
+    _FIELDS.pack_into(buffer, 0, MAGIC, LAYOUT_VERSION, SlotState.EMPTY, -1, generation, 0, 0, capacity)
 
 
 def begin_write(buffer: memoryview, generation: int) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stowaway.errors import ShmCapacityError
-from stowaway.slots import header
+from stowaway.slots import header, pooled_lock
 
 SLOT_FILE_MODE = 0o660
 # madvise(MADV_POPULATE_WRITE), Linux 5.14 and later: write-fault a range now. Called through ctypes,
@@ -69,6 +69,52 @@ class SlotFile:
         slot = cls(path, fd, writable=True)
         header.write_empty(slot.header_view, size - header.HEADER_BYTES)
         return slot
+
+    @classmethod
+    def borrow_pooled(cls, path: Path) -> SlotFile | None:
+        """Open a pooled spare (created if missing) holding its write lock; None while another process holds it.
+
+        Never truncated here: another rank may map it. A file too short for a
+        header was created by a rank that died before it initialised it.
+        """
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, SLOT_FILE_MODE)
+            os.fchmod(fd, SLOT_FILE_MODE)
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if not pooled_lock.try_lock(fd, exclusive=True):
+                os.close(fd)
+                return None
+            initialised = os.fstat(fd).st_size >= header.HEADER_BYTES
+            if not initialised:
+                size = file_size_for(1)
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
+            slot = cls(path, fd, writable=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not initialised:
+            header.write_empty(slot.header_view, slot.capacity)
+        return slot
+
+    def try_lock(self, exclusive: bool) -> bool:
+        """Take this pooled spare's write (or read) lock, or turn the one held into it (``pooled_lock``)."""
+        return pooled_lock.try_lock(self._fd, exclusive)
+
+    def unlock(self) -> None:
+        pooled_lock.unlock(self._fd)
+
+    @property
+    def sized(self) -> bool:
+        """Whether it was ever sized for a state: a pooled spare is created holding a page, for whoever borrows it."""
+        return self.capacity > _page_round(1)
+
+    @property
+    def stale(self) -> bool:
+        """Whether another process has grown the file since it was mapped here (``refresh`` follows it)."""
+        return os.fstat(self._fd).st_size != self._mapped_bytes
 
     @classmethod
     def open(cls, path: Path, writable: bool) -> SlotFile:
@@ -126,12 +172,17 @@ class SlotFile:
             self._remap()
 
     def grow(self, capacity: int) -> None:
-        """Enlarge the slot; only its current owner may call this."""
+        """Enlarge the slot; only its current owner may call this.
+
+        The header keeps its generation, so a generation never repeats on a
+        file (a pooled spare's writers each start from the header's).
+        """
+        generation = self.read_header().generation
         size = file_size_for(capacity)
         os.ftruncate(self._fd, size)
         os.posix_fallocate(self._fd, 0, size)
         self._remap()
-        header.write_empty(self.header_view, size - header.HEADER_BYTES)
+        header.write_empty(self.header_view, size - header.HEADER_BYTES, generation)
 
     def linked_at(self, path: Path) -> bool:
         """Whether ``path`` names this very file, so that whoever opens it there maps what this mapping maps.
@@ -167,14 +218,15 @@ class ShmUsage:
     held_by_job: int
 
 
-def usage(shm_dir: Path, job_glob: str) -> ShmUsage:
+def usage(shm_dir: Path, job_globs: tuple[str, ...]) -> ShmUsage:
     stats = os.statvfs(shm_dir)
-    held = sum(p.stat().st_blocks * 512 for p in shm_dir.glob(job_glob) if p.is_file())
+    held = sum(p.stat().st_blocks * 512 for glob in job_globs for p in shm_dir.glob(glob) if p.is_file())
     return ShmUsage(stats.f_bavail * stats.f_frsize, held)
 
 
 def check_capacity(
-    shm_dir: Path, job_glob: str, per_rank_bytes: int, local_world_size: int, already_mine: int
+    shm_dir: Path, job_globs: tuple[str, ...], per_rank_bytes: int, local_world_size: int, already_mine: int,
+    pooled_bytes: int = 0,
 ) -> None:
     """Fail before writing anything if the local ranks' slots cannot all fit.
 
@@ -183,18 +235,20 @@ def check_capacity(
     as SIGBUS in the middle of a copy, so we check up front and say which
     setting to raise.
     """
-    now = usage(shm_dir, job_glob)
-    needed = per_rank_bytes * local_world_size
+    now = usage(shm_dir, job_globs)
+    needed = per_rank_bytes * local_world_size + pooled_bytes
     available = now.free_bytes + now.held_by_job
     if needed <= available:
         return
+    pooled = f" and {_gib(pooled_bytes)} of pooled spares" if pooled_bytes else ""
     raise ShmCapacityError(
         f"shared memory at {shm_dir} is too small: {local_world_size} local rank(s) need "
-        f"{_gib(needed)} for their slots ({_gib(per_rank_bytes)} each), but only "
+        f"{_gib(needed)} for their slots ({_gib(per_rank_bytes)} each{pooled}), but only "
         f"{_gib(available)} is available ({_gib(now.free_bytes)} free, "
         f"{_gib(now.held_by_job - already_mine)} held by other ranks of this job). "
         "Raise the CheckpointPolicy's spec.sharedMemory.sizeLimit (in Kubernetes) or the size of "
-        "/dev/shm (docker --shm-size), or lower spec.sharedMemory.slotsPerRank / Checkpointer(slots=...)."
+        "/dev/shm (docker --shm-size), or lower spec.sharedMemory.slotsPerRank / Checkpointer(slots=...), "
+        "or keep one slot per rank and pool a spare (slotsPerRank: 1, pooledSpares: 1)."
     )
 
 
