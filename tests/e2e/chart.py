@@ -17,10 +17,14 @@ from .environment import PRODUCT_IMAGE
 def installed_chart(cluster: Cluster, namespace: str) -> Iterator[str]:
     """``helm install`` into ``namespace`` in the ``operator`` TLS mode; yields the release, uninstalls after.
 
+    The chart's CRD is applied first, as docs/operator.md tells users who
+    upgrade to: Helm installs ``crds/`` only where the CRD is missing, and a
+    kind cluster kept from an earlier session holds the CRD of its day.
     Uninstalling waits: the webhook (failurePolicy Fail) must not outlive its operator.
     """
     release = f"s{uuid.uuid4().hex[:6]}"
     repository, tag = PRODUCT_IMAGE.rsplit(":", 1)
+    cluster.run("kubectl", "apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
     try:
         result = cluster.run(
             "helm", "install", release, str(CHART), "--namespace", namespace,

@@ -13,6 +13,7 @@ queries it with the job's labels.
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -171,9 +172,10 @@ def training_run(k8s_cluster: Cluster, k8s_api: client.ApiClient, operator: Oper
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _policy_ready(cluster: Cluster, namespace: str, scratch: Path, size_limit: str | None = None) -> None:
-    """The example's claim and policy applied, waited for as the example's instructions do."""
-    training.apply(cluster, namespace, training.policy_objects(size_limit), scratch)
+def _policy_ready(cluster: Cluster, namespace: str, scratch: Path,
+                  policy: list[dict[str, Any]] | None = None) -> None:
+    """The example's claim and policy (or ``policy``) applied, waited for as the example's instructions do."""
+    training.apply(cluster, namespace, policy or training.policy_objects(), scratch)
     waited = cluster.run("kubectl", "--namespace", namespace, "wait", f"checkpointpolicy/{training.POLICY}",
                          "--for=condition=Ready", "--timeout=120s", timeout=150, check=False)
     assert waited.returncode == 0, waited.stderr + namespace_report(cluster, namespace)
@@ -338,7 +340,7 @@ def test_a_dev_shm_smaller_than_the_slots_fails_the_first_save_saying_which_sett
     with fresh_namespace(k8s_api, "stowaway-e2e-shm") as ns:
         # The smallest size the CRD allows, 64 MiB, and a model whose state (its Adam moments included) is
         # about 42 MiB per rank: two ranks' two slots need 167 MiB.
-        _policy_ready(k8s_cluster, ns, scratch, size_limit="64Mi")
+        _policy_ready(k8s_cluster, ns, scratch, training.policy_objects("64Mi"))
         job = training.job_object(JOB, steps=5, pace=0, width=384)
         job["spec"]["backoffLimit"] = 0
         job["spec"]["template"]["spec"]["restartPolicy"] = "Never"
@@ -351,3 +353,33 @@ def test_a_dev_shm_smaller_than_the_slots_fails_the_first_save_saying_which_sett
     assert "ShmCapacityError" in log, log[-3000:]
     assert "shared memory at /dev/shm" in log and "is too small" in log, log[-3000:]
     assert "spec.sharedMemory.sizeLimit" in log, log[-3000:]
+
+
+def test_one_slot_per_rank_and_a_pooled_spare_train_where_two_slots_per_rank_do_not_fit(
+    k8s_cluster: Cluster, k8s_api: client.ApiClient, operator: Operator,
+) -> None:
+    scratch = Path(tempfile.mkdtemp(prefix="e2e", dir="/tmp"))
+    with fresh_namespace(k8s_api, "stowaway-e2e-pool") as ns:
+        # About 42 MiB of state per rank, as above: two ranks' two slots need 167 MiB, which 150 MiB cannot
+        # hold; one slot each and a spare they share need 126 MiB. The trainer saves every step without waiting,
+        # and the sidecar, held to 20 millicores, persists slower than it trains, so a rank saves again while its
+        # slot persists and borrows the spare, whose lock the trainer's container and the sidecar's take on one
+        # file of the pod's memory volume.
+        policy = training.policy_objects("150Mi", pooled=True)
+        for doc in policy:
+            if doc["kind"] == "CheckpointPolicy":
+                doc["spec"]["sidecar"] = {"resources": {"requests": {"cpu": "20m"}, "limits": {"cpu": "20m"}}}
+        _policy_ready(k8s_cluster, ns, scratch, policy)
+        job = training.job_object(JOB, steps=12, pace=0, width=384)
+        job["spec"]["backoffLimit"] = 0
+        job["spec"]["template"]["spec"]["restartPolicy"] = "Never"
+        training.apply(k8s_cluster, ns, [job], scratch)
+        eventually(lambda: _complete(k8s_cluster, ns, JOB), what="the job to complete", timeout=POD_START)
+        log = k8s_cluster.run("kubectl", "--namespace", ns, "logs", f"job/{JOB}", "-c", training.TRAINER).stdout
+        sidecar = k8s_cluster.run("kubectl", "--namespace", ns, "logs", f"job/{JOB}", "-c",
+                                  training.SIDECAR).stdout
+    shutil.rmtree(scratch, ignore_errors=True)
+    assert "committed steps 0..11" in log, log[-3000:]
+    # The sidecar's summary as it stopped: saves written into the spare.
+    borrowed = re.search(r"'pooled_spare_saves': (\d+)", sidecar)
+    assert borrowed and int(borrowed.group(1)) > 0, sidecar[-3000:]

@@ -32,13 +32,16 @@ def example(name: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all((EXAMPLES / name).read_text()) if doc]
 
 
-def policy_objects(size_limit: str | None = None) -> list[dict[str, Any]]:
-    """The example's claim and CheckpointPolicy; ``size_limit`` replaces its shared-memory size."""
+def policy_objects(size_limit: str | None = None, pooled: bool = False) -> list[dict[str, Any]]:
+    """The example's claim and CheckpointPolicy; ``size_limit`` replaces its shared-memory size, ``pooled`` gives
+    each rank one slot and the pod's ranks one pooled spare."""
     found = copy.deepcopy(example("10-policy.yaml"))
-    if size_limit is not None:
-        for doc in found:
-            if doc["kind"] == "CheckpointPolicy":
+    for doc in found:
+        if doc["kind"] == "CheckpointPolicy":
+            if size_limit is not None:
                 doc["spec"]["sharedMemory"]["sizeLimit"] = size_limit
+            if pooled:
+                doc["spec"]["sharedMemory"] |= {"slotsPerRank": 1, "pooledSpares": 1}
     return found
 
 

@@ -59,6 +59,7 @@ def test_each_stats_call_feeds_its_series() -> None:
     stats.restored("memory", 0.03)
     stats.restored("memory", 0.002)
     stats.restored("storage", 4.0)
+    stats.pooled_spare_saved()
     found = scrape(stats)
     assert found["stowaway_save_blocking_seconds_count"] == 2
     assert found["stowaway_save_blocking_seconds_sum"] == 0.203
@@ -77,8 +78,10 @@ def test_each_stats_call_feeds_its_series() -> None:
     assert found['stowaway_restore_duration_seconds_bucket{le="0.0025",source="memory"}'] == 1
     assert found['stowaway_restore_duration_seconds_bucket{le="2.5",source="storage"}'] == 0
     assert found['stowaway_restore_duration_seconds_bucket{le="5.0",source="storage"}'] == 1
+    assert found["stowaway_pooled_spare_saves_total"] == 1
     assert stats.summary() == {"persists": 1, "persisted_bytes": 4096, "commits": 2, "last_committed_step": 7,
-                               "failures": {"storage_full": 1}, "restores": {"memory": 2, "storage": 1}}
+                               "failures": {"storage_full": 1}, "restores": {"memory": 2, "storage": 1},
+                               "pooled_spare_saves": 1}
 
 
 def test_an_unknown_failure_reason_is_counted_as_internal_so_the_label_set_stays_bounded() -> None:

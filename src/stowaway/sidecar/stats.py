@@ -27,6 +27,7 @@ class Stats:
         self._last_committed_step = -1
         self._failures: Counter[str] = Counter()
         self._restores: Counter[str] = Counter()
+        self._pooled_spare_saves = 0
 
     def watch(self, ranks_connected: Callable[[], int], slots_in_flight: Callable[[], int],
               connected_since: Callable[[], float | None]) -> None:
@@ -56,6 +57,8 @@ class Stats:
     def pooled_spare_saved(self) -> None:
         """A save borrowed a pooled spare: how often the pod's ranks outran their own slots."""
         self.metrics.pooled_spare_saves.inc()
+        with self._lock:
+            self._pooled_spare_saves += 1
 
     def restored(self, source: str, seconds: float) -> None:
         """A rank's report of one restore; its duration is the rank's measurement, so nonsense is dropped."""
@@ -94,6 +97,7 @@ class Stats:
                 "last_committed_step": self._last_committed_step,
                 "failures": dict(self._failures),
                 "restores": dict(self._restores),
+                "pooled_spare_saves": self._pooled_spare_saves,
             }
 
 
