@@ -43,8 +43,9 @@ def run_config(total: int, ranks: int, reps: int, storage: Path, device: str, dl
     scratch.mkdir(parents=True, exist_ok=True)
     socket_path = workdir / "s.sock"
     out = workdir / "result.json"
+    checkpoints = storage / "checkpoints"
     sidecar = subprocess.Popen(
-        [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(storage / "checkpoints"),
+        [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(checkpoints),
          "--socket", str(socket_path), "--shm-dir", str(shm_dir), "--keep-last", str(reps + 2),
          "--log-level", "WARNING"],
         start_new_session=True,
@@ -60,7 +61,7 @@ def run_config(total: int, ranks: int, reps: int, storage: Path, device: str, dl
                    "stowaway_shm": lambda: system.shm_bytes(shm_dir)}
         launch = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", run_id, "--nnodes", "1"]
         measure = ["--total-bytes", str(total), "--reps", str(reps), "--scratch", str(scratch), "--out", str(out),
-                   "--device", device, "--shm-dir", str(shm_dir)]
+                   "--device", device, "--shm-dir", str(shm_dir), "--checkpoints", str(checkpoints)]
         if dlrover:
             saver = dlrover_saver.start(env, run_id, ROOT)
             readers |= {"dlrover_saver_private": lambda: system.status_bytes(saver.pid, "RssAnon"),

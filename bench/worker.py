@@ -183,7 +183,8 @@ def _measure_saves(run: Run, ckpt: Checkpointer, training: dict[str, Any], extra
             after_each_steady()
 
 
-def measure_pooled_spare(run: Run, training: dict[str, Any], extra: dict[str, Any], shm_dir: Path) -> None:
+def measure_pooled_spare(run: Run, training: dict[str, Any], extra: dict[str, Any], shm_dir: Path,
+                         checkpoints: Path) -> None:
     """One slot per rank and one spare pooled by them all: what that holds in shared memory, and saves made
     while the previous one persists.
 
@@ -194,7 +195,9 @@ def measure_pooled_spare(run: Run, training: dict[str, Any], extra: dict[str, An
     the slowest rank's time is what the job waits. The shared memory is
     counted once every rank has saved, and the job's files are then
     unlinked, so that the shared memory sampled over the later phases is
-    theirs alone (the sidecar still maps these files until it exits).
+    theirs alone (the sidecar still maps these files until it exits). Its
+    checkpoints are removed from storage too: at 4 GiB they would take as
+    much disk as the other phases' (docs/benchmarks.md).
     """
     job = f"{os.environ['STOWAWAY_JOB']}-pooled"
     with Checkpointer(job=job, slots=1, pooled_spares=1, timeout=1800) as ckpt:
@@ -214,6 +217,9 @@ def measure_pooled_spare(run: Run, training: dict[str, Any], extra: dict[str, An
     if run.rank == 0:
         for path in shm_dir.glob(f"{job}.*"):
             path.unlink()
+        # The sidecar's retention may still be deleting the job's oldest steps: what it removes first is no error.
+        shutil.rmtree(checkpoints / job, ignore_errors=True)
+    dist.barrier()
 
 
 def measure_overlapped_saves(run: Run, training: dict[str, Any]) -> None:
@@ -366,6 +372,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="JSON file rank 0 writes")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the training state lives")
     parser.add_argument("--shm-dir", type=Path, required=True, help="the sidecar's shared-memory directory")
+    parser.add_argument("--checkpoints", type=Path, required=True, help="the sidecar's storage directory")
     parser.add_argument("--dlrover", action="store_true",
                         help="measure DLRover too (its saver must run: python -m bench starts it)")
     args = parser.parse_args()
@@ -378,7 +385,7 @@ def main() -> None:
     run = Run(args.reps, args.scratch, device)
     training = state.build(args.total_bytes // dist.get_world_size(), seed=run.rank, device=device)
     extra: dict[str, Any] = {"bytes": run.slowest(state.nbytes_of(training)) * dist.get_world_size()}
-    measure_pooled_spare(run, training, extra, args.shm_dir)
+    measure_pooled_spare(run, training, extra, args.shm_dir, args.checkpoints)
     measure_stowaway_and_references(run, training, extra)
     measure_overlapped_saves(run, training)
     measure_torch_save(run, training)
