@@ -227,7 +227,15 @@ class RankSlots:
             return (f"a free slot for step {step} ({held}, steps {flights}{pooled}): the sidecar persists slower "
                     "than this rank saves; save less often, add slots, or check storage throughput")
 
-        self._link.wait_until(found, describe, SlotWaitTimeout)
+        try:
+            self._link.wait_until(found, describe, SlotWaitTimeout)
+        except BaseException:
+            # A protocol violation may be raised after the slot was taken: nobody is left to give it back, and a
+            # borrowed spare would stay locked for as long as this process lives.
+            with self._lock:
+                for slot in taken:
+                    self._ledger.abandon(slot.index)
+            raise
         with self._lock:
             slot = taken[0]
             self._takes += 1
