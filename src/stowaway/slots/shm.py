@@ -60,9 +60,7 @@ class SlotFile:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, SLOT_FILE_MODE)
         try:
             os.fchmod(fd, SLOT_FILE_MODE)
-            size = file_size_for(capacity)
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)
+            size = _reserve(fd, capacity)
         except BaseException:
             os.close(fd)
             raise
@@ -88,9 +86,7 @@ class SlotFile:
                 return None
             initialised = os.fstat(fd).st_size >= header.HEADER_BYTES
             if not initialised:
-                size = file_size_for(1)
-                os.ftruncate(fd, size)
-                os.posix_fallocate(fd, 0, size)
+                _reserve(fd, 1)
             slot = cls(path, fd, writable=True)
         except BaseException:
             os.close(fd)
@@ -114,7 +110,7 @@ class SlotFile:
     @property
     def stale(self) -> bool:
         """Whether another process has grown the file since it was mapped here (``refresh`` follows it)."""
-        return os.fstat(self._fd).st_size != self._mapped_bytes
+        return os.fstat(self._fd).st_size != (len(self._map) if self._map is not None else 0)
 
     @classmethod
     def open(cls, path: Path, writable: bool) -> SlotFile:
@@ -168,7 +164,7 @@ class SlotFile:
 
     def refresh(self) -> None:
         """Follow a growth made by the other side."""
-        if os.fstat(self._fd).st_size != (len(self._map) if self._map is not None else 0):
+        if self.stale:
             self._remap()
 
     def grow(self, capacity: int) -> None:
@@ -178,9 +174,7 @@ class SlotFile:
         file (a pooled spare's writers each start from the header's).
         """
         generation = self.read_header().generation
-        size = file_size_for(capacity)
-        os.ftruncate(self._fd, size)
-        os.posix_fallocate(self._fd, 0, size)
+        size = _reserve(self._fd, capacity)
         self._remap()
         header.write_empty(self.header_view, size - header.HEADER_BYTES, generation)
 
@@ -210,6 +204,14 @@ class SlotFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _reserve(fd: int, capacity: int) -> int:
+    """Size the file behind ``fd`` for ``capacity`` payload bytes, its pages reserved; the file's size."""
+    size = file_size_for(capacity)
+    os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)
+    return size
 
 
 @dataclass(frozen=True)
