@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,14 +36,72 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_config(total: int, ranks: int, reps: int, storage: Path, device: str, dlrover: bool) -> dict[str, object]:
+    """One configuration: its phases one after another, each in its own ranks (``bench.worker --phase``).
+
+    The Stowaway phases each have a sidecar of their own, stopped, with its
+    shared memory and storage removed, before the next phase starts: a
+    sidecar keeps a job's slots mapped until it exits (for a restart of the
+    ranks), so in one run of all phases the pooled phase's slots, then the
+    main phase's two slots a rank, were still resident under DLRover's phase.
+    At 4 GiB on one rank that was 12 GiB of shared memory beside DLRover's
+    copies of the state, and the kernel killed the rank for memory on a
+    24 GiB machine.
+    """
     workdir = Path(tempfile.mkdtemp(prefix="stwb-", dir="/tmp"))
-    shm_dir = Path(tempfile.mkdtemp(prefix="stowaway-bench-", dir="/dev/shm"))
-    # torchrun's rendezvous id, and so the TORCHELASTIC_RUN_ID of the ranks, by which DLRover finds its saver.
-    run_id = workdir.name
     scratch = storage / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
-    socket_path = workdir / "s.sock"
-    out = workdir / "result.json"
+    # torchrun's rendezvous id, and so the TORCHELASTIC_RUN_ID of the ranks, by which DLRover finds its saver.
+    run_id = workdir.name
+    python_path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, STOWAWAY_JOB=f"bench-{total}-{ranks}", PYTHONPATH=python_path,
+               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)), DLROVER_LOG_LEVEL="WARNING")
+    launch = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", run_id, "--nnodes", "1",
+              "--nproc-per-node", str(ranks)]
+    measure = ["--total-bytes", str(total), "--reps", str(reps), "--scratch", str(scratch), "--device", device]
+    phase = _Phase(workdir, launch, measure)
+    result: dict[str, object] = {"ranks": ranks, "total": total, "cores": os.cpu_count()}
+    try:
+        result |= _with_sidecar(phase, "pooled", env, storage, reps)
+        result |= _with_sidecar(phase, "stowaway", env, storage, reps)
+        if dlrover:
+            result |= _with_dlrover(phase, env, run_id)
+        return result
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+class _Phase:
+    """Runs one phase of the worker under torchrun and merges what each phase measured into one result."""
+
+    def __init__(self, workdir: Path, launch: list[str], measure: list[str]) -> None:
+        self._workdir = workdir
+        self._launch = launch
+        self._measure = measure
+        self._seconds: dict[str, list[float]] = {}
+
+    def run(self, name: str, env: dict[str, str], readers: dict[str, Callable[[], int]],
+            launch: tuple[str, ...] = (), measure: tuple[str, ...] = ()) -> tuple[dict[str, object], dict[str, int]]:
+        """The phase's results (``seconds`` holding every phase's so far) and the peaks ``readers`` sampled."""
+        out = self._workdir / f"{name}.json"
+        peaks = system.Peaks(readers)
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", *self._launch, *launch, "-m", "bench.worker",
+                 *self._measure, "--phase", name, "--out", str(out), *measure],
+                env=env, check=True, cwd=ROOT,
+            )
+        finally:
+            peak = peaks.stop()
+        measured = json.loads(out.read_text())
+        self._seconds |= measured.pop("seconds")
+        return {"seconds": self._seconds, **measured}, peak
+
+
+def _with_sidecar(phase: _Phase, name: str, env: dict[str, str], storage: Path, reps: int) -> dict[str, object]:
+    """A Stowaway phase under a sidecar of its own, which is stopped and whose memory and storage are removed."""
+    shm_dir = Path(tempfile.mkdtemp(prefix="stowaway-bench-", dir="/dev/shm"))
+    socket_path = Path(tempfile.mkdtemp(prefix="stws-", dir="/tmp")) / "s.sock"
     checkpoints = storage / "checkpoints"
     sidecar = subprocess.Popen(
         [sys.executable, "-m", "stowaway", "sidecar", "--storage", str(checkpoints),
@@ -50,54 +109,38 @@ def run_config(total: int, ranks: int, reps: int, storage: Path, device: str, dl
          "--log-level", "WARNING"],
         start_new_session=True,
     )
-    saver = None
     try:
         run_cmd.wait_for_socket(sidecar, socket_path)
-        python_path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-        env = dict(os.environ, STOWAWAY_SOCKET=str(socket_path), STOWAWAY_JOB=f"bench-{total}-{ranks}",
-                   PYTHONPATH=python_path, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)),
-                   DLROVER_LOG_LEVEL="WARNING")
         readers = {"sidecar_private": lambda: system.status_bytes(sidecar.pid, "RssAnon"),
                    "stowaway_shm": lambda: system.shm_bytes(shm_dir)}
-        launch = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", run_id, "--nnodes", "1"]
-        measure = ["--total-bytes", str(total), "--reps", str(reps), "--scratch", str(scratch), "--out", str(out),
-                   "--device", device, "--shm-dir", str(shm_dir), "--checkpoints", str(checkpoints)]
-        if dlrover:
-            saver = dlrover_saver.start(env, run_id, ROOT)
-            readers |= {"dlrover_saver_private": lambda: system.status_bytes(saver.pid, "RssAnon"),
-                        "dlrover_shm": lambda: system.shm_bytes(dlrover_saver.SHM_DIR,
-                                                                dlrover_saver.shm_prefix(run_id))}
-            launch += ["--role", "dlrover-trainer"]
-            measure.append("--dlrover")
-        peaks = system.Peaks(readers)
-        try:
-            subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", *launch, "--nproc-per-node", str(ranks),
-                 "-m", "bench.worker", *measure],
-                env=env, check=True, cwd=ROOT,
-            )
-        finally:
-            peak = peaks.stop()
-        result = json.loads(out.read_text())
-        result["ranks"] = ranks
-        result["total"] = total
-        result["cores"] = os.cpu_count()
-        result["sidecar_peak_rss_bytes"] = system.status_bytes(sidecar.pid, "VmHWM")
-        result["sidecar_peak_private_bytes"] = peak["sidecar_private"]
-        result["stowaway_peak_shm_bytes"] = peak["stowaway_shm"]
-        if saver is not None:
-            result["dlrover_version"] = importlib.metadata.version("dlrover")
-            result["dlrover_saver_peak_rss_bytes"] = system.status_bytes(saver.pid, "VmHWM")
-            result["dlrover_saver_peak_private_bytes"] = peak["dlrover_saver_private"]
-            result["dlrover_peak_shm_bytes"] = peak["dlrover_shm"]
+        result, peak = phase.run(name, dict(env, STOWAWAY_SOCKET=str(socket_path)), readers,
+                                 measure=("--shm-dir", str(shm_dir)))
+        if name == "stowaway":
+            result["sidecar_peak_rss_bytes"] = system.status_bytes(sidecar.pid, "VmHWM")
+            result["sidecar_peak_private_bytes"] = peak["sidecar_private"]
+            result["stowaway_peak_shm_bytes"] = peak["stowaway_shm"]
         return result
     finally:
-        if saver is not None:
-            dlrover_saver.stop(saver, run_id)
         run_cmd.stop_sidecar(sidecar, 60)
         shutil.rmtree(shm_dir, ignore_errors=True)
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(storage, ignore_errors=True)
+        shutil.rmtree(socket_path.parent, ignore_errors=True)
+        shutil.rmtree(checkpoints, ignore_errors=True)
+
+
+def _with_dlrover(phase: _Phase, env: dict[str, str], run_id: str) -> dict[str, object]:
+    """DLRover's phase, with its saver started as its agent would start it, and no sidecar of Stowaway's."""
+    saver = dlrover_saver.start(env, run_id, ROOT)
+    try:
+        readers = {"dlrover_saver_private": lambda: system.status_bytes(saver.pid, "RssAnon"),
+                   "dlrover_shm": lambda: system.shm_bytes(dlrover_saver.SHM_DIR, dlrover_saver.shm_prefix(run_id))}
+        result, peak = phase.run("dlrover", env, readers, launch=("--role", "dlrover-trainer"))
+        result["dlrover_version"] = importlib.metadata.version("dlrover")
+        result["dlrover_saver_peak_rss_bytes"] = system.status_bytes(saver.pid, "VmHWM")
+        result["dlrover_saver_peak_private_bytes"] = peak["dlrover_saver_private"]
+        result["dlrover_peak_shm_bytes"] = peak["dlrover_shm"]
+        return result
+    finally:
+        dlrover_saver.stop(saver, run_id)
 
 
 def machine(device: str, dlrover: bool) -> str:

@@ -1,10 +1,13 @@
 """One benchmark configuration, run by every rank under torchrun.
 
 Every measurement starts after a barrier and is reported as the slowest
-rank's time, because a job waits for its slowest rank. Stowaway, the physical
-references and the peers run in the same processes on the same tensors and
-storage, one after another (DLRover last, with ``--dlrover``:
-``bench.dlrover_peer``). With ``--device cuda`` the state lives on the GPU
+rank's time, because a job waits for its slowest rank. A run measures one
+phase (``--phase``): the pooled spare; Stowaway, each measurement paired with
+its physical references, then the peers torch.save and DCP, in the same
+processes on the same tensors and storage; or DLRover
+(``bench.dlrover_peer``). ``python -m bench`` runs the phases one after
+another, each in ranks of its own that build the same tensors, so that no
+phase's memory is still held under the next. With ``--device cuda`` the state lives on the GPU
 and every restore goes back onto it; each timed action ends with a device
 synchronize, so no copy still in flight escapes the clock.
 """
@@ -32,6 +35,8 @@ from stowaway import Checkpointer
 
 Results = dict[str, list[float]]
 MAPPING_BYTES = 64 * 2**20
+# The pooled spare, then Stowaway with the references, torch.save and DCP, then DLRover.
+PHASES = ("pooled", "stowaway", "dlrover")
 
 
 class Run:
@@ -183,21 +188,17 @@ def _measure_saves(run: Run, ckpt: Checkpointer, training: dict[str, Any], extra
             after_each_steady()
 
 
-def measure_pooled_spare(run: Run, training: dict[str, Any], extra: dict[str, Any], shm_dir: Path,
-                         checkpoints: Path) -> None:
+def measure_pooled_spare(run: Run, training: dict[str, Any], extra: dict[str, Any], shm_dir: Path) -> None:
     """One slot per rank and one spare pooled by them all: what that holds in shared memory, and saves made
     while the previous one persists.
 
-    Under a job of its own, so that its steps and slot files stand apart
-    from the other phases'. Each rank saves twice in a row, as the ranks of
-    a job do when they all save at one step: the first rank to make its
-    second save borrows the spare, the others wait for their own slots, and
-    the slowest rank's time is what the job waits. The shared memory is
-    counted once every rank has saved, and the job's files are then
-    unlinked, so that the shared memory sampled over the later phases is
-    theirs alone (the sidecar still maps these files until it exits). Its
-    checkpoints are removed from storage too: at 4 GiB they would take as
-    much disk as the other phases' (docs/benchmarks.md).
+    A phase of its own, under a sidecar of its own (``python -m bench``
+    stops it and removes its files and checkpoints before the next phase),
+    so that its slots are not resident under the other phases'. Each rank
+    saves twice in a row, as the ranks of a job do when they all save at one
+    step: the first rank to make its second save borrows the spare, the
+    others wait for their own slots, and the slowest rank's time is what the
+    job waits. The shared memory is counted once every rank has saved.
     """
     job = f"{os.environ['STOWAWAY_JOB']}-pooled"
     with Checkpointer(job=job, slots=1, pooled_spares=1, timeout=1800) as ckpt:
@@ -213,13 +214,6 @@ def measure_pooled_spare(run: Run, training: dict[str, Any], extra: dict[str, An
         dist.barrier()
         if run.rank == 0:
             extra["stowaway_pooled_shm_bytes"] = system.shm_bytes(shm_dir, f"{job}.")
-    dist.barrier()
-    if run.rank == 0:
-        for path in shm_dir.glob(f"{job}.*"):
-            path.unlink()
-        # The sidecar's retention may still be deleting the job's oldest steps: what it removes first is no error.
-        shutil.rmtree(checkpoints / job, ignore_errors=True)
-    dist.barrier()
 
 
 def measure_overlapped_saves(run: Run, training: dict[str, Any]) -> None:
@@ -371,11 +365,12 @@ def main() -> None:
     parser.add_argument("--scratch", type=Path, required=True, help="directory for the references and peers")
     parser.add_argument("--out", type=Path, required=True, help="JSON file rank 0 writes")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the training state lives")
-    parser.add_argument("--shm-dir", type=Path, required=True, help="the sidecar's shared-memory directory")
-    parser.add_argument("--checkpoints", type=Path, required=True, help="the sidecar's storage directory")
-    parser.add_argument("--dlrover", action="store_true",
-                        help="measure DLRover too (its saver must run: python -m bench starts it)")
+    parser.add_argument("--shm-dir", type=Path, help="the sidecar's shared-memory directory (phase pooled)")
+    parser.add_argument("--phase", choices=PHASES, required=True,
+                        help="what to measure; python -m bench runs each phase in ranks of its own")
     args = parser.parse_args()
+    if args.phase == "pooled" and args.shm_dir is None:
+        parser.error("--phase pooled counts the pooled job's shared memory: give the sidecar's --shm-dir")
     dist.init_process_group("gloo")
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -383,14 +378,17 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     run = Run(args.reps, args.scratch, device)
+    # The same seed in every phase: each measures the same tensors.
     training = state.build(args.total_bytes // dist.get_world_size(), seed=run.rank, device=device)
     extra: dict[str, Any] = {"bytes": run.slowest(state.nbytes_of(training)) * dist.get_world_size()}
-    measure_pooled_spare(run, training, extra, args.shm_dir, args.checkpoints)
-    measure_stowaway_and_references(run, training, extra)
-    measure_overlapped_saves(run, training)
-    measure_torch_save(run, training)
-    measure_dcp(run, training)
-    if args.dlrover:
+    if args.phase == "pooled":
+        measure_pooled_spare(run, training, extra, args.shm_dir)
+    elif args.phase == "stowaway":
+        measure_stowaway_and_references(run, training, extra)
+        measure_overlapped_saves(run, training)
+        measure_torch_save(run, training)
+        measure_dcp(run, training)
+    else:
         # Imported here: only the harness's own environment has DLRover.
         from bench import dlrover_peer
 
