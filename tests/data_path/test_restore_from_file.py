@@ -20,8 +20,10 @@ from stowaway.client import file_restore
 from stowaway.storage import layout
 
 JOB = "tiny-lm"
-# float64 elements: 24 MiB, one and a half of the reader's chunks.
-NUMEL = 3 * file_restore.CHUNK_BYTES // 16
+# float64 elements: five and a half of the reader's chunks, more than its buffers, so that buffers are read into
+# again while other reads are in flight.
+NUMEL = 11 * file_restore.CHUNK_BYTES // 16
+assert NUMEL * 8 > file_restore.BUFFERS * file_restore.CHUNK_BYTES
 
 
 def stored_file(storage: Path, step: int) -> Path:

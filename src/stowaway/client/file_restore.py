@@ -5,13 +5,21 @@ tensors: two passes over the state's bytes and, in a new pod, two first
 touches of as much memory (the slot's and the tensors'), one after the
 other. Here the sidecar opens the file read-only and passes the descriptor
 (``Link.open_files``; the storage stays mounted only in the sidecar), and the
-rank reads it with ``O_DIRECT`` in chunks into a ring of three small
-buffers: one thread only reads, one after the other, while the chunk read
-last is checksummed on a second thread and copied into the destination
-tensors on the caller's. The restore takes about the longest of the read,
-the checksum and the copy, not the read plus the checksum (as when one
-thread read and checksummed: 1.8x the ``O_DIRECT`` read reference at 1 GiB),
-and the slot is allocated later, by ``reserve`` or the first save.
+rank reads it with ``O_DIRECT`` in chunks into a ring of small buffers:
+reader threads only read, each chunk as soon as a buffer is free, while the
+oldest chunk read is checksummed on another thread and copied into the
+destination tensors on the caller's. The restore takes about the longest of
+the read, the checksum and the copy, not the read plus the checksum (as
+when one thread read and checksummed: 1.8x the ``O_DIRECT`` read reference
+at 1 GiB), and the slot is allocated later, by ``reserve`` or the first save.
+
+The chunks are small, and several are read at once. A ring of 16 MiB
+buffers read one after the other took 1.2-1.5x the read reference of the
+same file: the ring is fresh memory, which this VM backs at its first touch,
+and eight ranks each faulting 48 MiB in to restore 32 MiB apiece touched
+more fresh memory than they read. A ring of 1 MiB chunks with three reads in
+flight read as fast as the reference or faster (docs/benchmarks.md,
+"Restore from storage read by the rank").
 
 Nothing is returned before the whole file matched the manifest's xxh3-64
 checksum. A file found corrupt or unreadable is left to the sidecar to stage
@@ -27,9 +35,9 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import queue
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +52,10 @@ from stowaway.format import safetensors_header as st
 from stowaway.format import tree as tree_mod
 from stowaway.storage import checksum, direct_io, manifest
 
-CHUNK_BYTES = 16 * 2**20
-# One being read, one being checksummed and copied, and one read ahead: the reads follow each other.
-BUFFERS = 3
+CHUNK_BYTES = 2**20
+READERS = 3
+# One per read in flight, one being checksummed and copied, and one read ahead.
+BUFFERS = READERS + 2
 
 
 def suits(map_location: Any, into: Any) -> bool:
@@ -98,54 +107,39 @@ class _FileReader:
         buffers = [mmap.mmap(-1, chunk) for _ in range(BUFFERS)]
         self._direct = direct_io.enable(self._fd)
         hasher = checksum.new()
-        free: queue.Queue[int | None] = queue.Queue()
-        for index in range(BUFFERS):
-            free.put(index)
-        filled: queue.Queue[tuple[int, int, int] | BaseException] = queue.Queue()
-        with ThreadPoolExecutor(1, thread_name_prefix="stowaway-read") as reading, \
+        starts = iter(range(0, size, chunk))
+        # In file order: (buffer, offset, its read); a buffer is read into again once its chunk is copied.
+        reads: deque[tuple[int, int, Future[int]]] = deque()
+        filler = None
+        with ThreadPoolExecutor(READERS, thread_name_prefix="stowaway-read") as reading, \
                 ThreadPoolExecutor(1, thread_name_prefix="stowaway-hash") as hashing:
-            reading.submit(self._read_all, buffers, free, filled)
+
+            def read_next(index: int) -> None:
+                offset = next(starts, None)
+                if offset is not None:
+                    reads.append((index, offset, reading.submit(self._read_chunk, buffers[index], offset)))
+
             try:
-                filler = None
-                offset = 0
-                while offset < size:
-                    got = filled.get()
-                    if isinstance(got, BaseException):
-                        raise got
-                    index, offset, count = got
-                    data = memoryview(buffers[index])[:count]
+                for index in range(BUFFERS):
+                    read_next(index)
+                while reads:
+                    index, offset, read = reads.popleft()
+                    data = memoryview(buffers[index])[:read.result()]
                     hashed = hashing.submit(hasher.update, data)
                     if filler is None:
                         layout, tree = codec.parsed_header(data[:header_bytes], size)
                         filler = _Filler(layout, tree, into)
                     filler.copy(np.frombuffer(data, dtype=np.uint8), offset)
                     hashed.result()
-                    free.put(index)
-                    offset += count
+                    read_next(index)
             finally:
-                free.put(None)  # the reader stops at its next chunk if it is not done
+                for _, _, read in reads:
+                    read.cancel()  # after an error: the reads not started yet are not made
         if hasher.hexdigest() != self._entry.xxh3_64:
             raise CheckpointCorrupt(f"{self._where} does not match the manifest's xxh3-64 checksum; "
                                     "`stowaway verify` names what differs")
         assert filler is not None
         return filler.state(allow_pickle, meshes)
-
-    def _read_all(self, buffers: list[mmap.mmap], free: queue.Queue[int | None],
-                  filled: queue.Queue[tuple[int, int, int] | BaseException]) -> None:
-        """Read the file chunk after chunk into whichever buffer is free, handing each over as
-        ``(buffer, offset, count)``: the next read starts as soon as one ends, while the last chunk is
-        checksummed and copied on two other threads; an error is handed over instead."""
-        offset = 0
-        try:
-            while offset < self._entry.bytes:
-                index = free.get()
-                if index is None:
-                    return
-                count = self._read_chunk(buffers[index], offset)
-                filled.put((index, offset, count))
-                offset += count
-        except BaseException as exc:
-            filled.put(exc)
 
     def _header_length(self) -> int:
         first = os.pread(self._fd, 8, 0)
