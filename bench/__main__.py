@@ -26,6 +26,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,12 +60,17 @@ def run_config(total: int, ranks: int, reps: int, storage: Path, device: str, dl
               "--nproc-per-node", str(ranks)]
     measure = ["--total-bytes", str(total), "--reps", str(reps), "--scratch", str(scratch), "--device", device]
     phase = _Phase(workdir, launch, measure)
-    result: dict[str, object] = {"ranks": ranks, "total": total, "cores": os.cpu_count()}
+    seconds: dict[str, list[float]] = {}
+    result: dict[str, object] = {"ranks": ranks, "total": total, "cores": os.cpu_count(), "seconds": seconds}
+    phases = [lambda: _with_sidecar(phase, "pooled", env, storage, reps),
+              lambda: _with_sidecar(phase, "stowaway", env, storage, reps)]
+    if dlrover:
+        phases.append(lambda: _with_dlrover(phase, env, run_id))
     try:
-        result |= _with_sidecar(phase, "pooled", env, storage, reps)
-        result |= _with_sidecar(phase, "stowaway", env, storage, reps)
-        if dlrover:
-            result |= _with_dlrover(phase, env, run_id)
+        for run_phase in phases:
+            measured = run_phase()
+            seconds |= measured.pop("seconds")
+            result |= measured
         return result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -72,17 +78,16 @@ def run_config(total: int, ranks: int, reps: int, storage: Path, device: str, dl
 
 
 class _Phase:
-    """Runs one phase of the worker under torchrun and merges what each phase measured into one result."""
+    """Runs one phase of the worker under torchrun, with the arguments every phase of a configuration shares."""
 
     def __init__(self, workdir: Path, launch: list[str], measure: list[str]) -> None:
         self._workdir = workdir
         self._launch = launch
         self._measure = measure
-        self._seconds: dict[str, list[float]] = {}
 
     def run(self, name: str, env: dict[str, str], readers: dict[str, Callable[[], int]],
-            launch: tuple[str, ...] = (), measure: tuple[str, ...] = ()) -> tuple[dict[str, object], dict[str, int]]:
-        """The phase's results (``seconds`` holding every phase's so far) and the peaks ``readers`` sampled."""
+            launch: tuple[str, ...] = (), measure: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, int]]:
+        """What the phase's ranks measured (its ``seconds`` and the rest) and the peaks ``readers`` sampled."""
         out = self._workdir / f"{name}.json"
         peaks = system.Peaks(readers)
         try:
@@ -93,12 +98,10 @@ class _Phase:
             )
         finally:
             peak = peaks.stop()
-        measured = json.loads(out.read_text())
-        self._seconds |= measured.pop("seconds")
-        return {"seconds": self._seconds, **measured}, peak
+        return json.loads(out.read_text()), peak
 
 
-def _with_sidecar(phase: _Phase, name: str, env: dict[str, str], storage: Path, reps: int) -> dict[str, object]:
+def _with_sidecar(phase: _Phase, name: str, env: dict[str, str], storage: Path, reps: int) -> dict[str, Any]:
     """A Stowaway phase under a sidecar of its own, which is stopped and whose memory and storage are removed."""
     shm_dir = Path(tempfile.mkdtemp(prefix="stowaway-bench-", dir="/dev/shm"))
     socket_path = Path(tempfile.mkdtemp(prefix="stws-", dir="/tmp")) / "s.sock"
@@ -127,7 +130,7 @@ def _with_sidecar(phase: _Phase, name: str, env: dict[str, str], storage: Path, 
         shutil.rmtree(checkpoints, ignore_errors=True)
 
 
-def _with_dlrover(phase: _Phase, env: dict[str, str], run_id: str) -> dict[str, object]:
+def _with_dlrover(phase: _Phase, env: dict[str, str], run_id: str) -> dict[str, Any]:
     """DLRover's phase, with its saver started as its agent would start it, and no sidecar of Stowaway's."""
     saver = dlrover_saver.start(env, run_id, ROOT)
     try:

@@ -176,10 +176,11 @@ def in_turn(rep: int, first: Callable[[], None], second: Callable[[], None]) -> 
     """Run a measurement and its reference, the one first in even repetitions and the other in odd ones.
 
     On this VM the first of two measurements of fresh memory in a row often
-    pays more for its page faults than the second (1 GiB on one rank: a
-    restore from memory took 883 ms first and 276 ms second, the copy-out
-    reference 621 ms second and 261 ms first, in the same rounds), so a
-    measurement always run first looked slower than its reference.
+    pays more for its page faults than the second (1 GiB on one rank, rounds
+    of a restore, a copy-out, a copy-out and a restore: the restore from
+    memory took 883 ms in first place and 276 ms in fourth, the copy-out
+    reference 621 ms in second and 261 ms in third), so a measurement always
+    run first looked slower than its reference.
     """
     for measure in (first, second) if rep % 2 == 0 else (second, first):
         measure()

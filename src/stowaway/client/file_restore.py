@@ -14,7 +14,7 @@ when one thread read and checksummed: 1.8x the ``O_DIRECT`` read reference
 at 1 GiB), and the slot is allocated later, by ``reserve`` or the first save.
 
 The chunks are small, and several are read at once. A ring of 16 MiB
-buffers read one after the other took 1.2-1.5x the read reference of the
+buffers read one after the other took 1.2-2x the read reference of the
 same file: the ring is fresh memory, which this VM backs at its first touch,
 and eight ranks each faulting 48 MiB in to restore 32 MiB apiece touched
 more fresh memory than they read. A ring of 1 MiB chunks with three reads in
