@@ -57,8 +57,9 @@ def measure(run: worker.Run, training: dict[str, Any], extra: dict[str, Any]) ->
     ckpt = DdpCheckpointer(str(directory), local_shard_num=int(os.environ["LOCAL_WORLD_SIZE"]),
                            global_shard_num=dist.get_world_size())
     try:
-        step = _saves_to_memory(run, ckpt, training)
-        step = _saves_to_storage(run, ckpt, training, extra, directory, first_step=step + 1)
+        with worker.ranks_private_peak(extra, "dlrover_ranks_private_bytes"):
+            step = _saves_to_memory(run, ckpt, training)
+            step = _saves_to_storage(run, ckpt, training, extra, directory, first_step=step + 1)
         _restores(run, ckpt, training, directory / str(step) / f"rank_{run.rank}.pt")
         extra["dlrover_rank_peak_rss_bytes"] = run.slowest(system.status_bytes("self", "VmHWM"))
     finally:

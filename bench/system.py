@@ -91,15 +91,16 @@ class Peaks:
 
     INTERVAL = 0.002
 
-    def __init__(self, readers: Mapping[str, Callable[[], int]]) -> None:
+    def __init__(self, readers: Mapping[str, Callable[[], int]], interval: float = INTERVAL) -> None:
         self._readers = dict(readers)
+        self._interval = interval
         self.peaks = {name: read() for name, read in self._readers.items()}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while self._readers and not self._stop.wait(self.INTERVAL):
+        while self._readers and not self._stop.wait(self._interval):
             for name, read in list(self._readers.items()):
                 try:
                     self.peaks[name] = max(self.peaks[name], read())
@@ -115,8 +116,8 @@ class Peaks:
 class Peak:
     """One value sampled by ``Peaks``."""
 
-    def __init__(self, read: Callable[[], int]) -> None:
-        self._peaks = Peaks({"value": read})
+    def __init__(self, read: Callable[[], int], interval: float = Peaks.INTERVAL) -> None:
+        self._peaks = Peaks({"value": read}, interval)
 
     def stop(self) -> int:
         return self._peaks.stop()["value"]

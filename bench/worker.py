@@ -15,6 +15,7 @@ synchronize, so no copy still in flight escapes the clock.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import mmap
@@ -22,7 +23,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,9 @@ from stowaway import Checkpointer
 
 Results = dict[str, list[float]]
 MAPPING_BYTES = 64 * 2**20
+# A rank's private memory moves with whole tensors and buffers; sampled less often than the
+# harness samples the sidecar, so that the sampling thread takes little from the saves it measures.
+PRIVATE_SAMPLE_SECONDS = 0.01
 # The pooled spare, then Stowaway with the references, torch.save and DCP, then DLRover.
 PHASES = ("pooled", "stowaway", "dlrover")
 
@@ -103,6 +107,21 @@ def across_ranks(value: float, op: dist.ReduceOp) -> float:
     reduced = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(reduced, op=op)
     return float(reduced.item())
+
+
+@contextlib.contextmanager
+def ranks_private_peak(extra: dict[str, Any], key: str) -> Iterator[None]:
+    """The ranks' private memory (RssAnon) at its peak during the block, summed over the ranks, as ``extra[key]``.
+
+    Issue 23 counts a save phase's footprint as the ranks' private memory
+    plus shared memory: the state itself, and whatever a checkpointer keeps
+    in the rank beside it, count alongside its shared memory. Each rank's own
+    peak is summed, so the sum may exceed the ranks' peak at any one moment,
+    for Stowaway and DLRover alike.
+    """
+    peak = system.Peak(lambda: system.status_bytes("self", "RssAnon"), PRIVATE_SAMPLE_SECONDS)
+    yield
+    extra[key] = across_ranks(peak.stop(), dist.ReduceOp.SUM)
 
 
 def measure_stowaway_and_references(run: Run, training: dict[str, Any], extra: dict[str, Any]) -> None:
@@ -220,7 +239,8 @@ def measure_pooled_spare(run: Run, training: dict[str, Any], extra: dict[str, An
     job waits. The shared memory is counted once every rank has saved.
     """
     job = f"{os.environ['STOWAWAY_JOB']}-pooled"
-    with Checkpointer(job=job, slots=1, pooled_spares=1, timeout=1800) as ckpt:
+    with (ranks_private_peak(extra, "stowaway_pooled_ranks_private_bytes"),
+          Checkpointer(job=job, slots=1, pooled_spares=1, timeout=1800) as ckpt):
         for rep in range(run.reps + 1):
             run.start()
             first = ckpt.save(2 * rep, training)

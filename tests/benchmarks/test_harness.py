@@ -54,6 +54,8 @@ def assert_everything_measured(tmp_path: Path, ranks: list[int], expected_keys: 
         pooled, ranks_of = result["stowaway_pooled_shm_bytes"], result["ranks"]
         assert pooled >= result["bytes"] * (ranks_of + 1) / ranks_of * 0.99
         assert ranks_of == 1 or pooled < result["stowaway_peak_shm_bytes"]
+        # Issue 23 counts the ranks' private memory in the footprint, and it holds the state itself.
+        assert result["stowaway_pooled_ranks_private_bytes"] >= result["bytes"]
     markdown = (tmp_path / "out" / "results.md").read_text()
     assert "save blocking / copy reference" in markdown and f"| 8 MiB | {ranks[-1]} |" in markdown
     assert all(f"{label} |" in markdown for label, _ in report.CPU_FLOORS)
