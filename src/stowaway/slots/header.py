@@ -49,6 +49,10 @@ class SlotHeader:
 
 
 def read(buffer: memoryview | bytearray | bytes) -> SlotHeader:
+    # A slot file is created empty and sized after: a reader that finds it in between (or left so by a kill)
+    # must see "no header yet", as for a file of other bytes, not a struct error.
+    if len(buffer) < _FIELDS.size:
+        raise SlotHeaderError(f"{len(buffer)} bytes are too short for a slot header ({_FIELDS.size})")
     magic, version, state, step, generation, commit_gen, nbytes, capacity = _FIELDS.unpack_from(buffer)
     if magic != MAGIC:
         raise SlotHeaderError(f"not a Stowaway slot (magic {magic!r})")
